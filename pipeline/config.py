@@ -1,0 +1,170 @@
+"""One typed, frozen view of params.yaml.
+
+Each top-level section of params.yaml is a frozen dataclass; every field carries its rule. Loading
+rejects unknown sections and keys, wrong types and impossible values with one message that names
+the key, the value and what is allowed, so a typo in `dvc exp run -S` fails before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from pipeline.errors import ConfigError
+
+MODES = ("single", "dp", "ddp")
+MODELS = ("small", "classic")
+MNIST_TRAIN_SIZE = 60_000
+
+
+def _rule(check: Callable[[Any], bool], allowed: str) -> dict:
+    return {"check": check, "allowed": allowed}
+
+
+def _at_least(low: float) -> dict:
+    return _rule(lambda v: v >= low, f">= {low}")
+
+
+def _positive() -> dict:
+    return _rule(lambda v: v > 0, "> 0")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    seed: int = 42
+    val_size: int = field(default=5000, metadata=_at_least(1))
+    # 0 keeps every training image; N keeps the first N (quick runs).
+    train_limit: int = field(default=0, metadata=_at_least(0))
+    verify_checksums: bool = True
+
+    def __post_init__(self) -> None:
+        available = self.train_limit or MNIST_TRAIN_SIZE
+        if self.val_size >= available:
+            raise ConfigError(
+                f"data.val_size = {self.val_size} leaves no training images "
+                f"(training set: {available}); allowed: data.val_size < "
+                f"{'data.train_limit' if self.train_limit else MNIST_TRAIN_SIZE}"
+            )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    modes: tuple[str, ...] = field(
+        default=MODES,
+        metadata=_rule(lambda v: len(v) > 0 and set(v) <= set(MODES), f"a non-empty list of {MODES}"),
+    )
+    model: str = field(default="small", metadata=_rule(lambda v: v in MODELS, f"one of {MODELS}"))
+    epochs: int = field(default=2, metadata=_at_least(1))
+    # The global batch: the same in every mode; DDP splits it across ranks.
+    batch_size: int = field(default=128, metadata=_at_least(1))
+    lr: float = field(default=0.003, metadata=_positive())
+    weight_decay: float = field(default=0.0, metadata=_at_least(0))
+    seed: int = 42
+    # DDP workers on this node; 0 = one per GPU, or 2 on a CPU-only host.
+    nproc: int = field(default=0, metadata=_at_least(0))
+    # CUDA only: bf16 autocast and channels_last memory format.
+    bf16: bool = True
+    channels_last: bool = True
+    eval_batch_size: int = field(default=2000, metadata=_at_least(1))
+
+
+SECTIONS: dict[str, type] = {"data": DataConfig, "train": TrainConfig}
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if typing.get_origin(hint) is tuple:
+        (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
+        return isinstance(value, (list, tuple)) and all(_type_ok(v, item) for v in value)
+    raise TypeError(f"no type check for {hint!r}")
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {typing.get_args(hint)[0].__name__}"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[hint]
+
+
+def _build_section(name: str, cls: type, raw: Any, source: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: section '{name}' must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key '{name}.{unknown[0]}'; allowed keys in '{name}': "
+            f"{', '.join(sorted(known))}"
+        )
+    values = {}
+    for key, value in raw.items():
+        hint = hints[key]
+        if not _type_ok(value, hint):
+            raise ConfigError(
+                f"{source}: {name}.{key} = {value!r} has the wrong type; allowed: {_type_name(hint)}"
+            )
+        rule = known[key].metadata
+        if rule and not rule["check"](value):
+            raise ConfigError(f"{source}: {name}.{key} = {value!r} is not allowed; allowed: {rule['allowed']}")
+        values[key] = tuple(value) if isinstance(value, list) else value
+    try:
+        return cls(**values)
+    except ConfigError as exc:  # a rule across keys, raised by the dataclass itself
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def config_from_dict(raw: Any, source: str = "params.yaml") -> Config:
+    """Validate a parsed params mapping; `source` names it in every error."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections, got {type(raw).__name__}")
+    unknown = sorted(set(raw) - set(SECTIONS))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown section '{unknown[0]}'; allowed sections: {', '.join(SECTIONS)}"
+        )
+    return Config(**{name: _build_section(name, cls, raw.get(name), source) for name, cls in SECTIONS.items()})
+
+
+def load_config(path: str | Path = "params.yaml") -> Config:
+    """Read and validate params.yaml; every stage takes its settings from here."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found; run from the project root or pass --params") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return config_from_dict(raw, source=str(path))
+
+
+def flatten(config: Config) -> dict[str, Any]:
+    """`section.key -> value`, the form MLflow params and `dvc params diff` use."""
+    flat = {}
+    for section in dataclasses.fields(config):
+        for key, value in dataclasses.asdict(getattr(config, section.name)).items():
+            flat[f"{section.name}.{key}"] = list(value) if isinstance(value, tuple) else value
+    return flat

@@ -1,0 +1,101 @@
+"""The prepared data set: train/val/test as uint8 tensors, plus a JSON that describes them.
+
+uint8 images are 4x smaller than normalised floats; training moves them to the device once and
+normalises there with the mean and std recorded here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipeline.atomic import atomic_dir
+from pipeline.config import DataConfig
+from pipeline.errors import DataError
+from pipeline.mnist import IdxFile, Split
+
+SPLITS = ("train", "val", "test")
+STATS_FILE = "stats.json"
+NUM_CLASSES = 10
+
+
+@dataclass(frozen=True)
+class Prepared:
+    splits: dict[str, Split]
+    stats: dict
+
+    @property
+    def mean(self) -> float:
+        return self.stats["train_pixel_mean"]
+
+    @property
+    def std(self) -> float:
+        return self.stats["train_pixel_std"]
+
+
+def split_train_val(train: Split, config: DataConfig) -> tuple[Split, Split]:
+    """A seeded validation split taken from the (optionally limited) training set."""
+    images, labels = train.images, train.labels
+    if config.train_limit:
+        images, labels = images[: config.train_limit], labels[: config.train_limit]
+    if config.val_size >= len(labels):
+        raise DataError(
+            f"data.val_size = {config.val_size} leaves no training images: the training set has "
+            f"{len(labels)}; lower data.val_size in params.yaml"
+        )
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(config.seed))
+    # Sorted, so both splits keep the source order and a split is easy to trace back to it.
+    val_idx = order[: config.val_size].sort().values
+    train_idx = order[config.val_size :].sort().values
+    return Split(images[train_idx], labels[train_idx]), Split(images[val_idx], labels[val_idx])
+
+
+def describe(splits: dict[str, Split], sources: list[IdxFile], verified: bool) -> dict:
+    pixels = splits["train"].images.double() / 255.0
+    return {
+        "splits": {
+            name: {
+                "count": len(split.labels),
+                "image_shape": list(split.images.shape[1:]),
+                "class_counts": torch.bincount(split.labels, minlength=NUM_CLASSES).tolist(),
+            }
+            for name, split in splits.items()
+        },
+        # Pixels scaled to [0, 1], the scale the model sees before normalisation.
+        "train_pixel_mean": round(pixels.mean().item(), 6),
+        "train_pixel_std": round(pixels.std().item(), 6),
+        "checksums_verified": verified,
+        "sources": {f.path.name: {"md5": f.md5, "bytes": f.size} for f in sources},
+    }
+
+
+def save_prepared(out_dir: Path, splits: dict[str, Split], stats: dict) -> None:
+    with atomic_dir(out_dir) as tmp:
+        for name, split in splits.items():
+            torch.save({"images": split.images.contiguous(), "labels": split.labels}, tmp / f"{name}.pt")
+        (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
+
+
+def load_split(data_dir: Path, name: str) -> Split:
+    path = Path(data_dir) / f"{name}.pt"
+    if not path.is_file():
+        raise DataError(f"{path}: missing; run `mnist-pipeline prepare` (or `dvc repro prepare`) first")
+    try:
+        blob = torch.load(path, weights_only=True)
+        return Split(blob["images"], blob["labels"])
+    except Exception as exc:
+        raise DataError(f"{path}: unreadable ({exc}); run `mnist-pipeline prepare` again") from None
+
+
+def load_stats(data_dir: Path) -> dict:
+    path = Path(data_dir) / STATS_FILE
+    if not path.is_file():
+        raise DataError(f"{path}: missing; run `mnist-pipeline prepare` (or `dvc repro prepare`) first")
+    return json.loads(path.read_text())
+
+
+def load_prepared(data_dir: Path, names: tuple[str, ...] = SPLITS) -> Prepared:
+    return Prepared({name: load_split(data_dir, name) for name in names}, load_stats(data_dir))

@@ -1,0 +1,1 @@
+"""Thin DVC entry points: each parses its options, loads params, calls `pipeline`, writes outputs."""

@@ -1,0 +1,80 @@
+"""Shared fixtures: where the real MNIST lives, tiny IDX files, and a throwaway project copy."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
+VENV_BIN = Path(sys.executable).parent
+# What a project copy needs to run its stages: the code and the DVC/params files.
+PROJECT_FILES = ("pipeline", "stages", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", ".dvc/config")
+
+
+@pytest.fixture(scope="session")
+def mnist_dir() -> Path:
+    if not (MNIST_DIR / "train-images-idx3-ubyte.gz").is_file():
+        pytest.fail(f"real MNIST not found at {MNIST_DIR}; see its README")
+    return MNIST_DIR
+
+
+def idx_bytes(array: list | bytes, dims: tuple[int, ...]) -> bytes:
+    """An IDX file of unsigned bytes with the given dimensions."""
+    return struct.pack(">HBB", 0, 0x08, len(dims)) + struct.pack(f">{len(dims)}I", *dims) + bytes(array)
+
+
+def write_tiny_mnist(folder: Path, n_train: int = 40, n_test: int = 20) -> Path:
+    """Four small, well-formed IDX files (not canonical MNIST: verify_checksums must be off)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        (folder / f"{prefix}-images-idx3-ubyte").write_bytes(idx_bytes([i % 256 for i in range(n * 28 * 28)], (n, 28, 28)))
+        (folder / f"{prefix}-labels-idx1-ubyte").write_bytes(idx_bytes([i % 10 for i in range(n)], (n,)))
+    return folder
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["DVC_NO_ANALYTICS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, env=subprocess_env(**env), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def make_project(dest: Path, params: dict | None = None) -> Path:
+    """A git repo holding a copy of the project, with `params` merged into params.yaml."""
+    for name in PROJECT_FILES:
+        src = ROOT / name
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_dir():
+            shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, target)
+    merged = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for section, values in (params or {}).items():
+        merged.setdefault(section, {}).update(values)
+    (dest / "params.yaml").write_text(yaml.safe_dump(merged, sort_keys=False))
+    run(["git", "init", "-q", "-b", "main"], dest)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A"], dest)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "copy"], dest)
+    return dest
+
+
+def project_env(project: Path, **extra: str) -> dict[str, str]:
+    """Run the copy's own code, not the editable install's."""
+    return {"PYTHONPATH": str(project), **extra}

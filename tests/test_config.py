@@ -1,0 +1,76 @@
+import pytest
+import yaml
+
+from pipeline.config import Config, DataConfig, TrainConfig, config_from_dict, flatten, load_config
+from pipeline.errors import ConfigError
+from tests.conftest import ROOT
+
+
+def test_project_params_load():
+    config = load_config(ROOT / "params.yaml")
+    assert isinstance(config.data, DataConfig) and isinstance(config.train, TrainConfig)
+    assert set(config.train.modes) == {"single", "dp", "ddp"}
+
+
+def test_config_is_frozen():
+    config = config_from_dict({})
+    with pytest.raises(Exception):
+        config.train.lr = 1.0
+
+
+def test_empty_params_give_defaults():
+    assert config_from_dict({}) == Config()
+
+
+@pytest.mark.parametrize(
+    "raw, fragments",
+    [
+        ({"trian": {}}, ["unknown section 'trian'", "train"]),
+        ({"train": {"lr_max": 1}}, ["unknown key 'train.lr_max'", "lr"]),
+        ({"train": {"lr": -0.1}}, ["train.lr = -0.1", "> 0"]),
+        ({"train": {"lr": 0}}, ["train.lr = 0", "> 0"]),
+        ({"train": {"lr": "fast"}}, ["train.lr = 'fast'", "a number"]),
+        ({"train": {"batch_size": 0}}, ["train.batch_size = 0", ">= 1"]),
+        ({"train": {"batch_size": 12.5}}, ["train.batch_size = 12.5", "an integer"]),
+        ({"train": {"epochs": True}}, ["train.epochs = True", "an integer"]),
+        ({"train": {"modes": ["single", "fsdp"]}}, ["train.modes", "fsdp", "single"]),
+        ({"train": {"modes": []}}, ["train.modes = []", "non-empty"]),
+        ({"train": {"model": "resnet"}}, ["train.model = 'resnet'", "small", "classic"]),
+        ({"train": {"bf16": "yes"}}, ["train.bf16 = 'yes'", "true or false"]),
+        ({"data": {"val_size": 60000}}, ["data.val_size = 60000", "< 60000"]),
+        ({"data": {"val_size": 500, "train_limit": 500}}, ["data.val_size = 500", "data.train_limit"]),
+        ({"data": {"train_limit": -1}}, ["data.train_limit = -1", ">= 0"]),
+        ({"data": [1, 2]}, ["section 'data' must be a mapping"]),
+    ],
+)
+def test_bad_values_name_key_value_and_rule(raw, fragments):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw, source="my-params.yaml")
+    message = str(info.value)
+    assert message.startswith("my-params.yaml: ")
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_int_accepted_where_float_expected():
+    assert config_from_dict({"train": {"lr": 1}}).train.lr == 1
+
+
+def test_load_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump({"train": {"epoch": 3}}))
+    with pytest.raises(ConfigError, match=rf"{typo}: unknown key 'train.epoch'"):
+        load_config(typo)
+
+
+def test_flatten_uses_dotted_keys():
+    flat = flatten(config_from_dict({"train": {"epochs": 3}}))
+    assert flat["train.epochs"] == 3
+    assert flat["train.modes"] == ["single", "dp", "ddp"]
+    assert flat["data.val_size"] == 5000

@@ -1,0 +1,33 @@
+"""End to end: `dvc repro prepare` in a temporary git repo holding a copy of the project."""
+
+import json
+
+import torch
+
+from pipeline.mnist import CANONICAL_MD5
+from tests.conftest import make_project, project_env, run
+
+
+def test_dvc_repro_prepare(tmp_path, mnist_dir):
+    project = make_project(tmp_path / "proj", {"data": {"train_limit": 3000, "val_size": 500}})
+    env = project_env(project, MNIST_SOURCE=str(mnist_dir))
+    first = run(["dvc", "repro", "prepare"], project, **env)
+    assert "Running stage 'prepare'" in first.stdout
+
+    out = project / "data" / "prepared"
+    stats = json.loads((out / "stats.json").read_text())
+    for name, count in (("train", 2500), ("val", 500), ("test", 10000)):
+        blob = torch.load(out / f"{name}.pt", weights_only=True)
+        assert blob["images"].dtype == torch.uint8 and blob["labels"].dtype == torch.int64
+        assert stats["splits"][name]["count"] == len(blob["labels"]) == count
+        assert stats["splits"][name]["class_counts"] == torch.bincount(blob["labels"], minlength=10).tolist()
+    train = torch.load(out / "train.pt", weights_only=True)["images"].double() / 255
+    assert abs(stats["train_pixel_mean"] - train.mean().item()) < 1e-6
+    assert abs(stats["train_pixel_std"] - train.std().item()) < 1e-6
+    assert stats["checksums_verified"] is True
+    assert {v["md5"] for v in stats["sources"].values()} == set(CANONICAL_MD5.values())
+
+    second = run(["dvc", "repro", "prepare"], project, **env)
+    assert "didn't change, skipping" in second.stdout and "Running stage" not in second.stdout
+    status = run(["dvc", "status"], project, **env)
+    assert "up to date" in status.stdout
