@@ -62,7 +62,7 @@ class TrainConfig:
     epochs: int = field(default=2, metadata=_at_least(1))
     # The global batch: the same in every mode; DDP splits it across ranks.
     batch_size: int = field(default=128, metadata=_at_least(1))
-    lr: float = field(default=0.003, metadata=_positive())
+    lr: float = field(default=0.01, metadata=_positive())
     weight_decay: float = field(default=0.0, metadata=_at_least(0))
     seed: int = 42
     # DDP workers on this node; 0 = one per GPU, or 2 on a CPU-only host.

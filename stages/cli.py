@@ -1,10 +1,13 @@
 """`mnist-pipeline`: one sub-command per DVC stage."""
 
+import logging
+
 import click
 
 from pipeline import __version__
 from pipeline.errors import PipelineError
 from stages.prepare import prepare
+from stages.train import train
 
 
 class PipelineGroup(click.Group):
@@ -21,6 +24,8 @@ class PipelineGroup(click.Group):
 @click.version_option(__version__, prog_name="mnist-pipeline")
 def main() -> None:
     """Train MNIST under single-device, DataParallel and DistributedDataParallel, and compare."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
 
 
-main.add_command(prepare)
+for command in (prepare, train):
+    main.add_command(command)

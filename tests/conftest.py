@@ -78,3 +78,30 @@ def make_project(dest: Path, params: dict | None = None) -> Path:
 def project_env(project: Path, **extra: str) -> dict[str, str]:
     """Run the copy's own code, not the editable install's."""
     return {"PYTHONPATH": str(project), **extra}
+
+
+SMALL = {"data": {"train_limit": 1100, "val_size": 100},
+         "train": {"epochs": 2, "batch_size": 100, "nproc": 2}}
+
+
+@pytest.fixture(scope="module")
+def small_project(tmp_path_factory, mnist_dir) -> Path:
+    """A project copy with a prepared 1000-image slice of real MNIST: 10 steps per epoch."""
+    project = make_project(tmp_path_factory.mktemp("small") / "proj", SMALL)
+    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    return project
+
+
+def train_cli(project: Path, mode: str, *args: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+    return run(["mnist-pipeline", "train", "--mode", mode, *args], project, check=check, **project_env(project, **env))
+
+
+def load_weights(project: Path, mode: str) -> dict:
+    import torch
+
+    return torch.load(project / "models" / mode / "model.pt", weights_only=False)["state_dict"]
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)

@@ -1,0 +1,282 @@
+"""One training loop for every mode.
+
+The data lives on the device as one normalised tensor and batches are gathered by index, so a
+step does no per-sample Python work. Batches follow DistributedSampler's semantics: a permutation
+seeded by (seed + epoch), padded to a multiple of the world size, rank r taking every W-th index.
+Rank r's k-th batch of B/W indices is then exactly its share of perm[k*B:(k+1)*B], so a DDP run
+sees the same global batches as a single-device run, step for step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from pipeline.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint, trajectory
+from pipeline.config import TrainConfig
+from pipeline.model import build_model
+from pipeline.parallel import Rank, all_gather_objects, per_rank_batch, restarted_by_torchrun, unwrap, wrap
+from pipeline.prepared import Split
+
+
+@dataclass(frozen=True)
+class DeviceSplit:
+    images: torch.Tensor  # float32 [N, 1, 28, 28], normalised, on the device
+    labels: torch.Tensor  # int64 [N], on the device
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+def to_device(split: Split, mean: float, std: float, device: torch.device, channels_last: bool = False) -> DeviceSplit:
+    """Move uint8 images once, then normalise on the device (4x less to copy than floats)."""
+    images = split.images.to(device, non_blocking=True).unsqueeze(1).float().div_(255).sub_(mean).div_(std)
+    if channels_last:
+        images = images.contiguous(memory_format=torch.channels_last)
+    return DeviceSplit(images, split.labels.to(device, non_blocking=True))
+
+
+def epoch_order(n: int, epoch: int, seed: int, rank: Rank) -> torch.Tensor:
+    """This rank's indices for `epoch`, exactly as DistributedSampler(shuffle=True) yields them."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    padded = math.ceil(n / rank.world_size) * rank.world_size
+    if padded > n:
+        order = torch.cat([order, order[: padded - n]])
+    return order[rank.rank :: rank.world_size]
+
+
+def steps_per_epoch(n: int, global_batch: int, world_size: int) -> int:
+    return math.ceil(math.ceil(n / world_size) / (global_batch // world_size))
+
+
+def autocast_for(device: torch.device, config: TrainConfig):
+    if device.type == "cuda" and config.bf16 and torch.cuda.is_bf16_supported():
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+class PhaseClock:
+    """Per-step time spent gathering the batch, in forward+backward and in the optimiser.
+
+    On CUDA it records events, read once at the end of the epoch, so it never syncs per step;
+    on the CPU, work is synchronous and perf_counter is exact.
+    """
+
+    PHASES = ("data_time_s", "compute_time_s", "optimizer_time_s")
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def totals(self) -> dict[str, float]:
+        sums = [0.0] * len(self.PHASES)
+        per_step = len(self.PHASES) + 1
+        for i in range(0, len(self.marks), per_step):
+            step = self.marks[i : i + per_step]
+            for phase, (start, end) in enumerate(zip(step, step[1:])):
+                sums[phase] += start.elapsed_time(end) / 1000 if self.cuda else end - start
+        self.marks.clear()
+        return {name: round(total, 4) for name, total in zip(self.PHASES, sums)}
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is in KiB on Linux: the process's peak resident memory.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def weight_checksum(module: nn.Module) -> float:
+    """A position-sensitive float64 fingerprint of the weights: equal on ranks that are in sync."""
+    flat = torch.cat([p.detach().double().flatten().cpu() for p in module.parameters()])
+    return float((flat * torch.linspace(1.0, 2.0, len(flat), dtype=torch.float64)).sum())
+
+
+@torch.no_grad()
+def evaluate(module: nn.Module, data: DeviceSplit, indices: torch.Tensor, batch_size: int, autocast) -> torch.Tensor:
+    """Sums of (loss, correct, count) over `indices`, as one tensor ready for all_reduce."""
+    was_training = module.training
+    module.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=data.labels.device)
+    for idx in indices.to(data.labels.device).split(batch_size):
+        with autocast:
+            logits = module(data.images[idx])
+        labels = data.labels[idx]
+        sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        sums[1] += (logits.argmax(1) == labels).sum()
+        sums[2] += len(idx)
+    module.train(was_training)
+    return sums
+
+
+def all_sum(values: torch.Tensor, rank: Rank) -> torch.Tensor:
+    if rank.world_size > 1:
+        # gloo and NCCL both reduce float64; the sums stay exact for counts.
+        dist.all_reduce(values)
+    return values
+
+
+@dataclass
+class Training:
+    """What a training run needs, beyond the data; built once by the stage."""
+
+    config: TrainConfig
+    mode: str
+    rank: Rank
+    device: torch.device
+    out_dir: Path
+    resume: bool = False
+    # Called on every rank after each epoch with (global metrics, this rank's metrics).
+    epoch_hooks: list[Callable[[dict, dict], None]] = field(default_factory=list)
+    # Small values carried in the checkpoint (tracking run ids), so a resume continues them.
+    extra_state: dict[str, Any] = field(default_factory=dict)
+
+
+def build(config: TrainConfig, steps: int, device: torch.device, mode: str):
+    torch.manual_seed(config.seed)  # identical initial weights on every rank and in every mode
+    model = build_model(config.model).to(device)
+    if device.type == "cuda" and config.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    wrapped = wrap(model, mode, device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=steps)
+    return model, wrapped, optimizer, scheduler
+
+
+def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tuple[nn.Module, list[dict]]:
+    """Train, checkpoint every epoch; return the trained (unwrapped) model and per-epoch metrics."""
+    config, rank, device = run.config, run.rank, run.device
+    batch = per_rank_batch(config.batch_size, rank.world_size)
+    steps = steps_per_epoch(len(train_split), config.batch_size, rank.world_size)
+    model, wrapped, optimizer, scheduler = build(config, config.epochs * steps, device, run.mode)
+    autocast = autocast_for(device, config)
+    checkpoint_path = run.out_dir / CHECKPOINT_FILE
+    expected = trajectory(config, run.mode)
+
+    start_epoch, history = 0, []
+    if run.resume:
+        state = load_checkpoint(checkpoint_path, expected)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_epoch, history = state["epoch"], state["history"]
+        run.extra_state.update(state.get("extra", {}))
+
+    val_indices = torch.arange(rank.rank, len(val_split), rank.world_size)
+    show_bar = rank.is_main and sys.stderr.isatty()
+    clock = PhaseClock(device)
+    for epoch in range(start_epoch, config.epochs):
+        # Reseeded per epoch and rank, so dropout after a resume draws what it would have drawn.
+        torch.manual_seed(config.seed + 10_000 * (epoch + 1) + rank.rank)
+        order = epoch_order(len(train_split), epoch, config.seed, rank).to(device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        correct = torch.zeros((), dtype=torch.int64, device=device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        wrapped.train()
+        for idx in tqdm(order.split(batch), desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
+                        disable=not show_bar, leave=False):
+            clock.mark()
+            images, labels = train_split.images[idx], train_split.labels[idx]
+            clock.mark()
+            with autocast:
+                logits = wrapped(images)
+                loss = F.cross_entropy(logits.float(), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            clock.mark()
+            optimizer.step()
+            scheduler.step()
+            clock.mark()
+            # Accumulated on the device: a .item() here would sync every step.
+            loss_sum += loss.detach() * len(idx)
+            correct += (logits.detach().argmax(1) == labels).sum()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        train_time = time.perf_counter() - started
+
+        rank_samples = len(order)
+        rank_loss = loss_sum.item() / rank_samples
+        train_sums = all_sum(torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples)]), rank)
+        val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size, autocast), rank)
+        epoch_time = time.perf_counter() - started
+        # The slowest rank sets the pace of a synchronous step.
+        slowest = max(all_gather_objects(train_time, rank))
+        metrics = {
+            "epoch": epoch + 1,
+            "train_loss": (train_sums[0] / train_sums[2]).item(),
+            "train_accuracy": (train_sums[1] / train_sums[2]).item(),
+            "val_loss": (val_sums[0] / val_sums[2]).item(),
+            "val_accuracy": (val_sums[1] / val_sums[2]).item(),
+            "samples_per_s": train_sums[2].item() / slowest,
+            "train_time_s": slowest,
+            "epoch_time_s": max(all_gather_objects(epoch_time, rank)),
+            "lr": scheduler.get_last_lr()[0],
+        }
+        checksums = all_gather_objects(weight_checksum(model), rank)
+        if len(set(checksums)) > 1:
+            raise RuntimeError(f"ranks out of sync after epoch {epoch + 1}: weight checksums per rank {checksums}")
+        metrics["rank_weight_checksums"] = checksums
+        rank_metrics = {
+            "loss": rank_loss,
+            "samples_per_s": rank_samples / train_time,
+            **clock.totals(),
+            "peak_memory_mb": peak_memory_mb(device),
+            "weight_checksum": checksums[rank.rank],
+        }
+        history.append(metrics)
+        if rank.is_main:
+            report_epoch(run.mode, config.epochs, metrics)
+            save_checkpoint(checkpoint_path, {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "epoch": epoch + 1,
+                "history": history,
+                "trajectory": expected,
+                "extra": run.extra_state,
+            })
+        for hook in run.epoch_hooks:
+            hook(metrics, rank_metrics)
+        crash_if_asked(epoch + 1)
+    return model, history
+
+
+def crash_if_asked(epoch: int) -> None:
+    """Test hook: MNIST_PIPELINE_CRASH_AFTER_EPOCH=N kills a first attempt right after epoch N's
+    checkpoint, as a lost node would, so resume can be tested against an uninterrupted run."""
+    if os.environ.get("MNIST_PIPELINE_CRASH_AFTER_EPOCH") == str(epoch) and not restarted_by_torchrun():
+        print(f"crashing after epoch {epoch} (MNIST_PIPELINE_CRASH_AFTER_EPOCH)", file=sys.stderr, flush=True)
+        os._exit(75)
+
+
+def report_epoch(mode: str, epochs: int, m: dict) -> None:
+    tqdm.write(
+        f"{mode} epoch {m['epoch']}/{epochs}: train loss {m['train_loss']:.4f} acc {m['train_accuracy']:.4f} | "
+        f"val loss {m['val_loss']:.4f} acc {m['val_accuracy']:.4f} | {m['samples_per_s']:.0f} samples/s, "
+        f"{m['epoch_time_s']:.1f} s",
+        file=sys.stdout,
+    )

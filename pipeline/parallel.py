@@ -1,0 +1,197 @@
+"""Everything about parallelism in one place: devices, rank identity, the process group, wrapping
+a model per mode, and launching DDP workers through torchrun's own machinery."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from datetime import timedelta
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipeline.errors import ConfigError, PipelineError
+
+log = logging.getLogger(__name__)
+CPU_ONLY_DEFAULT_NPROC = 2
+# A rank that waits this long on a peer reports it instead of hanging for torch's default.
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """Who this process is. Only torchrun's env vars define it, so the same code runs under any
+    launcher that sets them (torchrun, Slurm or Kubernetes wrappers around torchrun)."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_torchrun() -> bool:
+    return all(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+
+
+def rank_from_env() -> Rank:
+    if not under_torchrun():
+        return Rank()
+    world_size = int(os.environ["WORLD_SIZE"])
+    return Rank(
+        rank=int(os.environ["RANK"]),
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        world_size=world_size,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+    )
+
+
+def restarted_by_torchrun() -> bool:
+    """True in a worker that torchrun restarted after a failure: it should resume, not start over."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def pick_device(rank: Rank) -> torch.device:
+    """One process per device: CUDA device `local_rank` when CUDA is present, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if rank.local_rank >= count:
+        raise PipelineError(
+            f"rank {rank.rank}: local rank {rank.local_rank} has no GPU (this node has {count}); "
+            f"start at most {count} workers per node (train.nproc or torchrun --nproc-per-node)"
+        )
+    torch.cuda.set_device(rank.local_rank)
+    return torch.device("cuda", rank.local_rank)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def limit_cpu_threads(rank: Rank) -> int:
+    """Share the cores between the ranks on this node so they never oversubscribe them."""
+    threads = max(1, (os.cpu_count() or 1) // rank.local_world_size)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def default_nproc() -> int:
+    return torch.cuda.device_count() or CPU_ONLY_DEFAULT_NPROC
+
+
+def per_rank_batch(global_batch: int, world_size: int) -> int:
+    if global_batch % world_size:
+        raise ConfigError(
+            f"train.batch_size = {global_batch} does not split evenly across {world_size} ranks; "
+            f"choose a multiple of {world_size} (the global batch is the same in every mode)"
+        )
+    return global_batch // world_size
+
+
+def _attempt_store(rank: Rank) -> dist.Store:
+    """torchrun's store, under a prefix of its own for each restart attempt.
+
+    The elastic agent keeps one store across restarts, so without a prefix the workers of a
+    restarted attempt read the peer addresses the failed attempt left there and fail to connect.
+    """
+    from torch.distributed.rendezvous import _create_c10d_store
+
+    store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank.rank,
+                               rank.world_size, timeout=PROCESS_GROUP_TIMEOUT)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"mnist-pipeline/attempt-{attempt}", store)
+
+
+@contextmanager
+def process_group(rank: Rank, device: torch.device) -> Iterator[None]:
+    """The one place the process group is set up and torn down, whatever happens in between."""
+    backend = backend_for(device)
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=_attempt_store(rank), rank=rank.rank, world_size=rank.world_size,
+                            timeout=PROCESS_GROUP_TIMEOUT, **kwargs)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def wrap(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
+    """The model as each mode trains it; `unwrap` gives back the module that holds the weights."""
+    if mode == "dp":
+        if device.type != "cuda":
+            log.warning("dp: no CUDA device, so DataParallel has nothing to split; training the bare module on the CPU")
+            return model
+        return nn.DataParallel(model)
+    if mode == "ddp":
+        device_ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        return model.module
+    return model
+
+
+def dp_device_count(device: torch.device) -> int:
+    """How many devices DataParallel splits each batch across (1: the bare module)."""
+    return torch.cuda.device_count() if device.type == "cuda" else 1
+
+
+def broadcast_object(value, rank: Rank):
+    """A value made on rank 0 (a run id, a timestamp), the same on every rank."""
+    if rank.world_size == 1:
+        return value
+    box = [value if rank.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_gather_objects(value, rank: Rank) -> list:
+    if rank.world_size == 1:
+        return [value]
+    gathered = [None] * rank.world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def launch_workers(nproc: int, argv: Sequence[str]) -> None:
+    """Run `python argv...` as `nproc` torchrun workers on this node and wait for them all.
+
+    This is what `torchrun --standalone --nproc-per-node N` does, through its Python API, so the
+    workers see exactly the environment an outer torchrun would give them.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"mnist-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        max_restarts=0,
+        monitor_interval=0.2,
+    )
+    try:
+        elastic_launch(config, entrypoint=argv[0])(*argv[1:])
+    except ChildFailedError as exc:
+        failures = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(exc.failures.items()))
+        raise PipelineError(f"ddp worker(s) failed: {failures}; see the worker's message above") from None

@@ -1,0 +1,106 @@
+"""The three modes train the same function of the same batches: a test, not a hope."""
+
+import json
+
+import pytest
+import torch
+
+from pipeline.loop import epoch_order, steps_per_epoch
+from pipeline.parallel import Rank
+from tests.conftest import load_weights, max_abs_diff, train_cli
+
+
+def test_ddp_shards_are_the_single_batches():
+    n, batch, world = 1003, 100, 4
+    single = epoch_order(n, 3, 7, Rank()).split(batch)
+    shards = [epoch_order(n, 3, 7, Rank(r, r, world, world)).split(batch // world) for r in range(world)]
+    assert len(single) == steps_per_epoch(n, batch, world) == len(shards[0])
+    for step, global_batch in enumerate(single[:-1]):  # the last one differs only by padding
+        union = torch.cat([shards[r][step] for r in range(world)])
+        assert sorted(union.tolist()) == sorted(global_batch.tolist())
+    padded = torch.cat([torch.cat(s) for s in shards])
+    assert len(padded) == 1004 and set(padded.tolist()) == set(range(n))  # one index repeated
+    assert not torch.equal(epoch_order(n, 3, 7, Rank()), epoch_order(n, 4, 7, Rank()))  # set_epoch
+
+
+def test_ddp_matches_single_and_ranks_stay_in_sync(small_project):
+    train_cli(small_project, "single")
+    ddp = train_cli(small_project, "ddp")
+    assert "launching 2 workers" in ddp.stdout
+    diff = max_abs_diff(load_weights(small_project, "single"), load_weights(small_project, "ddp"))
+    print(f"max |single - ddp| after 20 steps: {diff:.3e}")
+    assert diff < 1e-4
+    summary = json.loads((small_project / "metrics/train/ddp.json").read_text())
+    assert summary["world_size"] == 2 and summary["backend"] == "gloo" and summary["per_rank_batch_size"] == 50
+
+
+def test_dp_on_cpu_is_the_bare_module_and_matches_single(small_project):
+    dp = train_cli(small_project, "dp")
+    assert "bare module" in dp.stderr
+    assert max_abs_diff(load_weights(small_project, "single"), load_weights(small_project, "dp")) == 0.0
+    assert json.loads((small_project / "metrics/train/dp.json").read_text())["dp_devices"] == 1
+
+
+def test_every_rank_holds_the_same_weights_after_every_epoch(small_project):
+    state = torch.load(small_project / "models/ddp/checkpoint.pt", weights_only=False)
+    assert len(state["history"]) == 2
+    for epoch in state["history"]:
+        assert len(epoch["rank_weight_checksums"]) == 2
+        assert len(set(epoch["rank_weight_checksums"])) == 1
+
+
+def test_resume_after_a_crash_ends_with_the_uninterrupted_weights(small_project):
+    reference = load_weights(small_project, "single")  # uninterrupted, from the test above
+    crashed = train_cli(small_project, "single", check=False, MNIST_PIPELINE_CRASH_AFTER_EPOCH="1")
+    assert crashed.returncode == 75
+    assert torch.load(small_project / "models/single/checkpoint.pt", weights_only=False)["epoch"] == 1
+    resumed = train_cli(small_project, "single", "--resume")
+    assert "epoch 1/2" not in resumed.stdout and "epoch 2/2" in resumed.stdout
+    assert max_abs_diff(reference, load_weights(small_project, "single")) == 0.0
+
+
+def test_outer_torchrun_restart_resumes_automatically(small_project):
+    reference = load_weights(small_project, "ddp")
+    from tests.conftest import project_env, run
+
+    proc = run(["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                "-m", "pipeline", "train", "--mode", "ddp"], small_project,
+               **project_env(small_project, MNIST_PIPELINE_CRASH_AFTER_EPOCH="1"))
+    assert "launching" not in proc.stdout  # workers, not a second launcher
+    assert "crashing after epoch 1" in proc.stderr
+    # Epoch 1 ran once, before the crash; the restarted workers went on with epoch 2.
+    assert proc.stdout.count("ddp epoch 1/2") == 1 and proc.stdout.count("ddp epoch 2/2") == 1
+    assert max_abs_diff(reference, load_weights(small_project, "ddp")) == 0.0
+
+
+def test_resume_without_checkpoint_or_with_changed_settings(small_project, tmp_path):
+    params = small_project / "params.yaml"
+    changed = tmp_path / "params.yaml"
+    changed.write_text(params.read_text().replace("lr: 0.01", "lr: 0.02"))
+    result = train_cli(small_project, "single", "--resume", "--params", str(changed), check=False)
+    assert result.returncode == 1 and "lr: 0.01 -> 0.02" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, params, message",
+    [
+        (["--mode", "ddp"], {"batch_size": 101}, "train.batch_size = 101 does not split evenly across 2 ranks"),
+        (["--mode", "fsdp"], {}, "'fsdp' is not one of 'single', 'dp', 'ddp'"),
+        (["--mode", "single", "--data-dir", "nowhere"], {}, "nowhere/train.pt: missing; run `mnist-pipeline prepare`"),
+        (["--mode", "ddp", "--data-dir", "nowhere"], {}, "nowhere/stats.json: missing"),
+    ],
+)
+def test_bad_input_is_a_clear_error(small_project, tmp_path, args, params, message):
+    import yaml
+
+    from tests.conftest import project_env, run
+
+    raw = yaml.safe_load((small_project / "params.yaml").read_text())
+    raw["train"].update(params)
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    result = run(["mnist-pipeline", "train", "--params", str(path), *args], small_project, check=False,
+                 **project_env(small_project))
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
