@@ -44,3 +44,8 @@ def load_checkpoint(path: Path, expected: dict[str, Any]) -> dict[str, Any]:
             "restore them or train from scratch without --resume"
         )
     return state
+
+
+def checkpoint_extra(path: Path) -> dict[str, Any]:
+    """The small values a checkpoint carries besides the training state (tracking run ids)."""
+    return torch.load(path, map_location="cpu", weights_only=False).get("extra", {}) if path.is_file() else {}

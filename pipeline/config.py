@@ -73,13 +73,25 @@ class TrainConfig:
     eval_batch_size: int = field(default=2000, metadata=_at_least(1))
 
 
-SECTIONS: dict[str, type] = {"data": DataConfig, "train": TrainConfig}
+@dataclass(frozen=True)
+class TrackingConfig:
+    enabled: bool = True
+    experiment: str = field(default="mnist-data-parallel", metadata=_rule(lambda v: bool(v.strip()), "a non-empty name"))
+    # MLflow's CPU, memory and GPU metrics, sampled every interval on each machine.
+    system_metrics: bool = True
+    system_metrics_interval_s: float = field(default=2.0, metadata=_positive())
+    # 0: per-epoch metrics only; N: also each rank's loss every N steps (sent once per epoch).
+    log_every_n_steps: int = field(default=0, metadata=_at_least(0))
+
+
+SECTIONS: dict[str, type] = {"data": DataConfig, "train": TrainConfig, "tracking": TrackingConfig}
 
 
 @dataclass(frozen=True)
 class Config:
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
 
 def _type_ok(value: Any, hint: Any) -> bool:

@@ -9,6 +9,7 @@ sees the same global batches as a single-device run, step for step.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import resource
@@ -25,10 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+log = logging.getLogger(__name__)
+
 from pipeline.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint, trajectory
 from pipeline.config import TrainConfig
 from pipeline.model import build_model
-from pipeline.parallel import Rank, all_gather_objects, per_rank_batch, restarted_by_torchrun, unwrap, wrap
+from pipeline.parallel import (Rank, all_gather_objects, dp_device_count, per_rank_batch, restarted_by_torchrun,
+                               unwrap, wrap)
 from pipeline.prepared import Split
 
 
@@ -151,6 +155,8 @@ class Training:
     epoch_hooks: list[Callable[[dict, dict], None]] = field(default_factory=list)
     # Small values carried in the checkpoint (tracking run ids), so a resume continues them.
     extra_state: dict[str, Any] = field(default_factory=dict)
+    # 0: nothing per step; N: keep this rank's loss every N steps, reported with the epoch.
+    log_every_n_steps: int = 0
 
 
 def build(config: TrainConfig, steps: int, device: torch.device, mode: str):
@@ -181,9 +187,10 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, history = state["epoch"], state["history"]
-        run.extra_state.update(state.get("extra", {}))
 
     val_indices = torch.arange(rank.rank, len(val_split), rank.world_size)
+    # The devices whose peak memory is reported: DataParallel's GPUs, or this rank's device.
+    memory_devices = list(range(dp_device_count(device))) if run.mode == "dp" else [device.index]
     show_bar = rank.is_main and sys.stderr.isatty()
     clock = PhaseClock(device)
     for epoch in range(start_epoch, config.epochs):
@@ -192,13 +199,16 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         order = epoch_order(len(train_split), epoch, config.seed, rank).to(device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         correct = torch.zeros((), dtype=torch.int64, device=device)
+        step_losses = []
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+            for index in memory_devices:
+                torch.cuda.reset_peak_memory_stats(index)
             torch.cuda.synchronize(device)
         started = time.perf_counter()
         wrapped.train()
-        for idx in tqdm(order.split(batch), desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
-                        disable=not show_bar, leave=False):
+        batches = tqdm(order.split(batch), desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
+                       disable=not show_bar, leave=False)
+        for step, idx in enumerate(batches, start=epoch * steps + 1):
             clock.mark()
             images, labels = train_split.images[idx], train_split.labels[idx]
             clock.mark()
@@ -214,6 +224,8 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             # Accumulated on the device: a .item() here would sync every step.
             loss_sum += loss.detach() * len(idx)
             correct += (logits.detach().argmax(1) == labels).sum()
+            if run.log_every_n_steps and step % run.log_every_n_steps == 0:
+                step_losses.append((step, loss.detach()))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         train_time = time.perf_counter() - started
@@ -236,6 +248,9 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             "epoch_time_s": max(all_gather_objects(epoch_time, rank)),
             "lr": scheduler.get_last_lr()[0],
         }
+        if run.mode == "dp" and device.type == "cuda":  # DataParallel's memory, GPU by GPU
+            metrics.update({f"gpu{i}_peak_memory_mb": torch.cuda.max_memory_allocated(i) / 2**20
+                            for i in memory_devices})
         checksums = all_gather_objects(weight_checksum(model), rank)
         if len(set(checksums)) > 1:
             raise RuntimeError(f"ranks out of sync after epoch {epoch + 1}: weight checksums per rank {checksums}")
@@ -246,6 +261,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             **clock.totals(),
             "peak_memory_mb": peak_memory_mb(device),
             "weight_checksum": checksums[rank.rank],
+            "step_losses": [(s, value.item()) for s, value in step_losses],
         }
         history.append(metrics)
         if rank.is_main:
@@ -274,9 +290,8 @@ def crash_if_asked(epoch: int) -> None:
 
 
 def report_epoch(mode: str, epochs: int, m: dict) -> None:
-    tqdm.write(
+    log.info(
         f"{mode} epoch {m['epoch']}/{epochs}: train loss {m['train_loss']:.4f} acc {m['train_accuracy']:.4f} | "
         f"val loss {m['val_loss']:.4f} acc {m['val_accuracy']:.4f} | {m['samples_per_s']:.0f} samples/s, "
-        f"{m['epoch_time_s']:.1f} s",
-        file=sys.stdout,
+        f"{m['epoch_time_s']:.1f} s"
     )

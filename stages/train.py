@@ -5,21 +5,24 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import signal
 import sys
 from contextlib import nullcontext
 from pathlib import Path
 
 import click
+import torch
 
-from pipeline import parallel
+from pipeline import parallel, tracking
 from pipeline.atomic import save_torch, write_json, write_text
-from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE
+from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, checkpoint_extra
 from pipeline.config import MODES, Config, flatten, load_config
 from pipeline.loop import Training, to_device, train as train_model
-from pipeline.prepared import load_prepared, load_stats
+from pipeline.prepared import Split, load_prepared, load_stats
 from stages.common import params_option
 
 log = logging.getLogger(__name__)
+RUN_FILE = "mlflow_run.json"  # the mode's run ids, for evaluate and compare to log into
 CURVE_COLUMNS = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
 
 
@@ -56,16 +59,57 @@ def curves_csv(history: list[dict]) -> str:
     return out.getvalue()
 
 
-def run_worker(config: Config, mode: str, data_dir: Path, resume: bool) -> None:
+def attach_rank_log(path: Path) -> Path:
+    """Every record of this rank, at INFO and above, also goes to its own file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return path
+
+
+class Shutdown:
+    """SIGTERM (torchrun stopping a worker, a scheduler's pre-emption) unwinds like an error, so the
+    MLflow runs end FAILED instead of staying RUNNING forever. Once the runs are being ended, a
+    late signal is ignored: it would cut short the very code that records the failure."""
+
+    def __init__(self) -> None:
+        self.ending = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if not self.ending:
+            raise SystemExit(128 + signum)
+
+
+def run_facts(mode: str, rank: parallel.Rank, device: torch.device) -> dict[str, str]:
+    return {
+        "mode": mode,
+        "world_size": str(rank.world_size),
+        "backend": parallel.backend_for(device) if mode == "ddp" else "none",
+        "device_type": device.type,
+        "device_name": parallel.device_name(device),
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda or "none",
+    }
+
+
+def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, resume: bool) -> None:
     """Train in this process: the whole job for single and dp, one rank's share for ddp."""
+    shutdown = Shutdown()
     rank = parallel.rank_from_env()
     if not rank.is_main:
-        logging.getLogger().setLevel(logging.WARNING)  # other ranks speak only when something fails
+        for handler in logging.getLogger().handlers:  # other ranks speak only when something fails
+            handler.setLevel(logging.WARNING)
+    out = model_dir(mode)
+    rank_log = attach_rank_log(out / "logs" / f"rank-{rank.rank}.log")
     device = parallel.pick_device(rank)
     if mode == "ddp" and device.type == "cpu":
         parallel.limit_cpu_threads(rank)
-    out = model_dir(mode)
-    resume = resume or (parallel.restarted_by_torchrun() and (out / CHECKPOINT_FILE).is_file())
+    checkpoint = out / CHECKPOINT_FILE
+    resume = resume or (parallel.restarted_by_torchrun() and checkpoint.is_file())
+    if config.tracking.enabled and rank.is_main:
+        tracking.check_store(tracking.tracking_uri())
 
     with parallel.process_group(rank, device) if mode == "ddp" else nullcontext():
         data = load_prepared(data_dir, ("train", "val"))
@@ -74,17 +118,42 @@ def run_worker(config: Config, mode: str, data_dir: Path, resume: bool) -> None:
         val_split = to_device(data.splits["val"], data.mean, data.std, device, channels_last)
         log.info("%s: %d process(es) on %s, global batch %d", mode, rank.world_size,
                  parallel.device_name(device), config.train.batch_size)
-        run = Training(config.train, mode, rank, device, out, resume=resume)
-        model, history = train_model(run, train_split, val_split)
-        if rank.is_main:
-            save_torch(out / MODEL_FILE, {
-                "state_dict": model.state_dict(),
-                "model": config.train.model,
-                "normalization": {"mean": data.mean, "std": data.std},
-                "config": flatten(config),
-            })
-            write_json(Path("metrics/train") / f"{mode}.json", summarize(config, mode, rank, device, history))
-            write_text(Path("plots/train") / f"{mode}.csv", curves_csv(history))
+
+        params = {**flatten(config), "world_size": rank.world_size,
+                  "per_rank_batch_size": parallel.per_rank_batch(config.train.batch_size, rank.world_size)}
+        previous = checkpoint_extra(checkpoint).get("mlflow") if resume else None
+        runs = tracking.start_mode_run(config.tracking, mode, rank, run_facts(mode, rank, device), params, previous)
+        run = Training(config.train, mode, rank, device, out, resume=resume, epoch_hooks=[runs.log_epoch],
+                       extra_state={"mlflow": runs.ids}, log_every_n_steps=config.tracking.log_every_n_steps)
+        try:
+            model, history = train_model(run, train_split, val_split)
+            if rank.is_main:
+                write_outputs(config, params_path, mode, rank, device, model, history, data, runs)
+            runs.log_rank_artifacts([rank_log])
+        except BaseException:
+            shutdown.ending = True
+            runs.end("FAILED")
+            raise
+        shutdown.ending = True
+        runs.end("FINISHED")
+
+
+def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.Rank, device: torch.device,
+                  model: torch.nn.Module, history: list[dict], data, runs) -> None:
+    out = model_dir(mode)
+    curves = Path("plots/train") / f"{mode}.csv"
+    save_torch(out / MODEL_FILE, {
+        "state_dict": model.state_dict(),
+        "model": config.train.model,
+        "normalization": {"mean": data.mean, "std": data.std},
+        "config": flatten(config),
+    })
+    write_json(Path("metrics/train") / f"{mode}.json", summarize(config, mode, rank, device, history))
+    write_text(curves, curves_csv(history))
+    write_json(out / RUN_FILE, runs.ids)
+    example = to_device(Split(data.splits["val"].images[:4], data.splits["val"].labels[:4]),
+                        data.mean, data.std, torch.device("cpu")).images
+    runs.finish_parent(model, example, [out / CHECKPOINT_FILE, curves, params_path])
 
 
 @click.command()
@@ -95,6 +164,8 @@ def run_worker(config: Config, mode: str, data_dir: Path, resume: bool) -> None:
 def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
     """Train one mode. For ddp, starts one worker per device unless already under torchrun."""
     config = load_config(params_path)
+    if config.tracking.enabled and not parallel.under_torchrun():
+        tracking.check_store(tracking.tracking_uri())
     if mode == "ddp" and not parallel.under_torchrun():
         nproc = config.train.nproc or parallel.default_nproc()
         # Fail here, before any worker starts, on what would fail in every worker.
@@ -105,4 +176,4 @@ def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
         click.echo(f"ddp: launching {nproc} workers")
         parallel.launch_workers(nproc, argv)
         return
-    run_worker(config, mode, Path(data_dir), resume)
+    run_worker(config, Path(params_path), mode, Path(data_dir), resume)

@@ -42,6 +42,8 @@ def write_tiny_mnist(folder: Path, n_train: int = 40, n_test: int = 20) -> Path:
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
+    # mlflow.set_tracking_uri() in a test exports this; a stage must only see what a test passes.
+    env.pop("MLFLOW_TRACKING_URI", None)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["DVC_NO_ANALYTICS"] = "1"
     env.update(extra)
@@ -105,3 +107,46 @@ def load_weights(project: Path, mode: str) -> dict:
 def max_abs_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1, with its own SQLite store and artifact folder."""
+    import time
+    import urllib.request
+
+    home = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen(
+        ["mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{home / 'server.db'}",
+         "--artifacts-destination", str(home / "artifacts")],
+        cwd=home, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{uri}/health", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"mlflow server did not start:\n{(home / 'server.log').read_text()}")
+            time.sleep(0.5)
+    yield uri
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()

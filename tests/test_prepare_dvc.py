@@ -29,5 +29,5 @@ def test_dvc_repro_prepare(tmp_path, mnist_dir):
 
     second = run(["dvc", "repro", "prepare"], project, **env)
     assert "didn't change, skipping" in second.stdout and "Running stage" not in second.stdout
-    status = run(["dvc", "status"], project, **env)
+    status = run(["dvc", "status", "prepare"], project, **env)
     assert "up to date" in status.stdout

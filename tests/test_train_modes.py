@@ -55,7 +55,7 @@ def test_resume_after_a_crash_ends_with_the_uninterrupted_weights(small_project)
     assert crashed.returncode == 75
     assert torch.load(small_project / "models/single/checkpoint.pt", weights_only=False)["epoch"] == 1
     resumed = train_cli(small_project, "single", "--resume")
-    assert "epoch 1/2" not in resumed.stdout and "epoch 2/2" in resumed.stdout
+    assert "epoch 1/2" not in resumed.stderr and "epoch 2/2" in resumed.stderr
     assert max_abs_diff(reference, load_weights(small_project, "single")) == 0.0
 
 
@@ -69,7 +69,7 @@ def test_outer_torchrun_restart_resumes_automatically(small_project):
     assert "launching" not in proc.stdout  # workers, not a second launcher
     assert "crashing after epoch 1" in proc.stderr
     # Epoch 1 ran once, before the crash; the restarted workers went on with epoch 2.
-    assert proc.stdout.count("ddp epoch 1/2") == 1 and proc.stdout.count("ddp epoch 2/2") == 1
+    assert proc.stderr.count("ddp epoch 1/2") == 1 and proc.stderr.count("ddp epoch 2/2") == 1
     assert max_abs_diff(reference, load_weights(small_project, "ddp")) == 0.0
 
 

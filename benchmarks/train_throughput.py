@@ -1,0 +1,176 @@
+"""Training throughput: this project's loop against a conventional PyTorch MNIST loop.
+
+Both train the same model (train.model from params.yaml) with the same optimiser and global batch,
+for the same number of steps from a cold start, on the same slice of real MNIST:
+
+- conventional: torchvision's MNIST dataset, ToTensor + Normalize per sample, a DataLoader
+  (num_workers=0: on a small CPU box workers only compete with training for the cores), and a
+  DistributedSampler under DDP;
+- ours: `pipeline.loop.train`, the code the train stage runs.
+
+Each runs as single (1 process x all cores) and ddp (N gloo processes x 1 thread), then the
+default training runs in full and its test accuracy is measured, for time-to-accuracy.
+
+    MNIST_SOURCE=../shared/data/mnist .venv/bin/python benchmarks/train_throughput.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pipeline import mnist, parallel  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
+from pipeline.loop import Training, evaluate, to_device, train  # noqa: E402
+from pipeline.model import build_model  # noqa: E402
+from pipeline.prepared import Split, split_train_val  # noqa: E402
+
+
+def torchvision_root(source: Path, dest: Path) -> Path:
+    """Lay out MNIST_SOURCE the way torchvision.datasets.MNIST expects (uncompressed, MNIST/raw)."""
+    raw = dest / "MNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for name in mnist.CANONICAL_MD5:
+        path = mnist.find_idx_file(source, name)
+        with (gzip.open(path) if path.suffix == ".gz" else open(path, "rb")) as src, open(raw / name, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return dest
+
+
+def conventional(rank: parallel.Rank, config, root: Path, steps: int, mean: float, std: float) -> float:
+    from torch.utils.data import DataLoader, Subset
+    from torch.utils.data.distributed import DistributedSampler
+    from torchvision import datasets, transforms
+
+    dataset = datasets.MNIST(str(root), train=True, transform=transforms.Compose(
+        [transforms.ToTensor(), transforms.Normalize((mean,), (std,))]))
+    dataset = Subset(dataset, range(steps * config.batch_size))
+    batch = config.batch_size // rank.world_size
+    if rank.world_size > 1:
+        sampler = DistributedSampler(dataset, rank.world_size, rank.rank, shuffle=True, seed=config.seed)
+        loader = DataLoader(dataset, batch_size=batch, sampler=sampler, num_workers=0)
+    else:
+        loader = DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=0)
+    torch.manual_seed(config.seed)
+    model = build_model(config.model)
+    wrapped = parallel.wrap(model, "ddp" if rank.world_size > 1 else "single", torch.device("cpu"))
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    started = time.perf_counter()
+    for images, labels in loader:
+        loss = torch.nn.functional.cross_entropy(wrapped(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    elapsed = max(parallel.all_gather_objects(time.perf_counter() - started, rank))
+    return steps * config.batch_size / elapsed
+
+
+def ours(rank: parallel.Rank, config, train_split: Split, val_split: Split, mean: float, std: float,
+         out: Path) -> float:
+    device = torch.device("cpu")
+    run = Training(replace(config, epochs=1), "ddp" if rank.world_size > 1 else "single", rank, device, out)
+    _, history = train(run, to_device(train_split, mean, std, device), to_device(val_split, mean, std, device))
+    return history[-1]["samples_per_s"]
+
+
+def full_default_run(rank: parallel.Rank, config, splits: dict[str, Split], mean: float, std: float,
+                     out: Path) -> tuple[float, float]:
+    device = torch.device("cpu")
+    data = {name: to_device(split, mean, std, device) for name, split in splits.items()}
+    mode = "ddp" if rank.world_size > 1 else "single"
+    model, history = train(Training(config, mode, rank, device, out), data["train"], data["val"])
+    sums = evaluate(model, data["test"], torch.arange(len(data["test"])), config.eval_batch_size,
+                    torch.autocast("cpu", enabled=False))
+    return sum(m["train_time_s"] for m in history), (sums[1] / sums[2]).item()
+
+
+def worker(local_rank: int, world_size: int, port: int, job: str, args: tuple, results) -> None:
+    if world_size > 1:
+        os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
+                          LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank = parallel.rank_from_env()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    job_fn = {"conventional": conventional, "ours": ours, "full": full_default_run}[job]
+    if world_size == 1:
+        results.put(job_fn(rank, *args))
+        return
+    with parallel.process_group(rank, torch.device("cpu")):
+        value = job_fn(rank, *args)
+    if rank.is_main:
+        results.put(value)
+
+
+def measure(job: str, world_size: int, *args):
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.start_processes(worker, args=(world_size, port, job, args, results), nprocs=world_size,
+                       start_method="spawn", join=True)
+    return results.get()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="training steps per throughput measurement")
+    parser.add_argument("--ranks", type=int, default=2, help="DDP processes (1 thread each)")
+    parser.add_argument("--params", default=str(ROOT / "params.yaml"))
+    args = parser.parse_args()
+    source = Path(os.environ.get("MNIST_SOURCE", ROOT.parent / "shared" / "data" / "mnist"))
+
+    config = load_config(args.params)
+    train_full, _ = mnist.read_split(source, "train", verify=True)
+    test, _ = mnist.read_split(source, "test", verify=True)
+    train_split, val_split = split_train_val(train_full, config.data)
+    mean = (train_split.images.double() / 255).mean().item()
+    std = (train_split.images.double() / 255).std().item()
+    n = args.steps * config.train.batch_size
+    bench_train = Split(train_split.images[:n], train_split.labels[:n])
+    tiny_val = Split(val_split.images[:500], val_split.labels[:500])
+    cpus = os.cpu_count()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        root = torchvision_root(source, tmp / "torchvision")
+        rows = []
+        for label, world in ((f"single (1x{cpus})", 1), (f"ddp ({args.ranks}x1)", args.ranks)):
+            conv = measure("conventional", world, config.train, root, args.steps, mean, std)
+            our = measure("ours", world, config.train, bench_train, tiny_val, mean, std, tmp / f"ours-{world}")
+            rows.append((label, conv, our))
+        full = {}
+        for label, world in ((f"single (1x{cpus})", 1), (f"ddp ({args.ranks}x1)", args.ranks)):
+            full[label] = measure("full", world, config.train, {"train": train_split, "val": val_split, "test": test},
+                                  mean, std, tmp / f"full-{world}")
+
+    print(f"\nTraining throughput, samples/s ({args.steps} steps, global batch {config.train.batch_size}, "
+          f"model {config.train.model}, {cpus} CPU cores)\n")
+    print("| setup | conventional | ours | ours / conventional |")
+    print("|---|---:|---:|---:|")
+    for label, conv, our in rows:
+        print(f"| {label} | {conv:,.0f} | {our:,.0f} | {our / conv:.2f}x |")
+    single_ours, ddp_ours = rows[0][2], rows[1][2]
+    print(f"\nddp / single, our loop: {ddp_ours / single_ours:.2f}x")
+    print(f"\nDefault training ({config.train.epochs} epochs, params.yaml), then the 10,000 test images:\n")
+    print("| setup | training time, s | test accuracy |")
+    print("|---|---:|---:|")
+    for label, (seconds, accuracy) in full.items():
+        print(f"| {label} | {seconds:.1f} | {accuracy:.2%} |")
+
+
+if __name__ == "__main__":
+    main()

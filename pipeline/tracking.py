@@ -1,0 +1,250 @@
+"""Everything MLflow, in one module: no other module imports mlflow.
+
+One parent run per mode per training (run name = the mode), and one child run per rank
+(`<mode>/rank-<r>`), every rank logging its own. Rank 0 makes the parent and broadcasts its id.
+Metrics go out in one batch per epoch and run, never per step, so tracking costs next to nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sqlite3
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+from pipeline.config import TrackingConfig
+from pipeline.errors import PipelineError
+from pipeline.parallel import Rank, all_gather_objects, broadcast_object
+
+log = logging.getLogger(__name__)
+DEFAULT_DB = "mlflow.db"
+DEFAULT_ARTIFACTS = "mlartifacts"
+PARENT_TAG = "mlflow.parentRunId"
+HEALTH_TIMEOUT_S = 5
+
+
+def tracking_uri() -> str:
+    """MLFLOW_TRACKING_URI, else the project's own SQLite file."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(DEFAULT_DB).resolve()}"
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+
+
+def check_store(uri: str) -> None:
+    """Fail before any training when runs could not be recorded."""
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=HEALTH_TIMEOUT_S):
+                return
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise PipelineError(
+                f"MLFLOW_TRACKING_URI={uri}: the tracking server does not answer ({reason}); start it "
+                "(mlflow server --host 127.0.0.1 --port 5000), fix the address, or unset "
+                f"MLFLOW_TRACKING_URI to record runs in ./{DEFAULT_DB}"
+            ) from None
+    path = _sqlite_path(uri)
+    if path is None:
+        return  # another store MLflow knows (a database URL): MLflow itself reports its errors
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
+        raise PipelineError(f"tracking store {uri}: cannot write in {path.parent}; fix MLFLOW_TRACKING_URI")
+    # WAL lets one writer and many readers work at once: without it, ranks that log at the same
+    # moment get "database is locked". The mode is stored in the file, so setting it once is enough.
+    with closing(sqlite3.connect(path, timeout=30)) as db:
+        db.execute("PRAGMA journal_mode=WAL")
+
+
+def git_facts() -> dict[str, str]:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"git_commit": commit or "unknown", "git_dirty": str(bool(dirty)).lower() if commit else "unknown"}
+
+
+def _metrics(values: dict[str, Any], step: int) -> list:
+    """The numeric entries of `values` as metrics at `step` (lists, like per-rank checksums, are not)."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    return [Metric(k, float(v), now, step) for k, v in values.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)]
+
+
+def _metrics_series(key: str, points: Iterable[tuple[int, float]]) -> list:
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    return [Metric(key, float(value), now, step) for step, value in points]
+
+
+def _as_params(flat: dict[str, Any]) -> list:
+    from mlflow.entities import Param
+
+    return [Param(key, str(value)) for key, value in flat.items()]
+
+
+@dataclass
+class ModeRun:
+    """One training's runs, seen from one rank: the parent (logged by rank 0) and this rank's child."""
+
+    config: TrackingConfig
+    rank: Rank
+    uri: str
+    experiment_id: str
+    parent_id: str
+    child_id: str
+    children: dict[int, str]
+    monitor: Any = None
+    _client: Any = field(default=None, repr=False)
+
+    @property
+    def ids(self) -> dict[str, Any]:
+        """What a resumed training needs to continue these same runs."""
+        return {"experiment_id": self.experiment_id, "parent": self.parent_id, "children": self.children}
+
+    def log_epoch(self, metrics: dict, rank_metrics: dict) -> None:
+        """The training loop's epoch hook: one batch per run per epoch."""
+        step = metrics["epoch"]
+        if self.rank.is_main:
+            values = {k: v for k, v in metrics.items() if k != "epoch"}  # the step already says it
+            self._client.log_batch(self.parent_id, metrics=_metrics(values, step))
+        batch = _metrics(rank_metrics, step)
+        batch += _metrics_series("step_loss", rank_metrics.get("step_losses", ()))
+        self._client.log_batch(self.child_id, metrics=batch)
+
+    def log_rank_artifacts(self, paths: Iterable[Path]) -> None:
+        for path in paths:
+            if path.is_file():
+                self._client.log_artifact(self.child_id, str(path))
+
+    def finish_parent(self, model, example, artifacts: Iterable[Path]) -> None:
+        """Rank 0: the model (with signature and input example) and the mode's files on the parent."""
+        import mlflow
+        import torch
+        from mlflow.models import infer_signature
+
+        for path in artifacts:
+            if path.is_file():
+                self._client.log_artifact(self.parent_id, str(path))
+        model = model.cpu().eval()
+        with torch.no_grad():
+            output = model(example).numpy()
+        mlflow.set_tracking_uri(self.uri)
+        with mlflow.start_run(run_id=self.parent_id):
+            mlflow.pytorch.log_model(
+                model,
+                name="model",
+                input_example=example.numpy(),
+                signature=infer_signature(example.numpy(), output),
+                # Pinned, not inferred: inference reloads the model in a subprocess, which is slow.
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+                # A plain nn.Module back from load_model, for any batch size; the torch.export
+                # format would fix the batch to the example's and cannot be put in eval mode.
+                serialization_format="pickle",
+            )
+
+    def end(self, status: str) -> None:
+        """End this rank's child and, on rank 0, the parent: FINISHED, or FAILED on any error."""
+        if self.monitor is not None:
+            self.monitor.finish()
+            # A run shorter than one sampling interval would otherwise end with no system metrics.
+            leftover = self.monitor.aggregate_metrics()
+            if leftover:
+                self.monitor.publish_metrics(leftover)
+                self.monitor.mlflow_logger.flush()
+        self._client.set_terminated(self.child_id, status)
+        if self.rank.is_main:
+            self._client.set_terminated(self.parent_id, status)
+
+
+def _experiment_id(client, name: str, uri: str) -> str:
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    # With the local SQLite store, artifacts go to ./mlartifacts (a server decides for itself).
+    location = Path(DEFAULT_ARTIFACTS).resolve().as_uri() if _sqlite_path(uri) else None
+    return client.create_experiment(name, artifact_location=location)
+
+
+def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str, str], params: dict[str, Any],
+                   resume: dict | None = None) -> ModeRun | Untracked:
+    """Open (or, on resume, reopen) the parent run on rank 0 and a child run on every rank."""
+    if not config.enabled:
+        return Untracked()
+    from mlflow import MlflowClient
+
+    uri = tracking_uri()
+    if rank.is_main:
+        # Rank 0 alone touches the store first, so a new SQLite file is created (and its schema
+        # migrated) by one process; the others connect after the broadcast below.
+        client = MlflowClient(uri)
+        if resume:
+            experiment_id, parent_id = resume["experiment_id"], resume["parent"]
+            client.update_run(parent_id, status="RUNNING")
+        else:
+            experiment_id = _experiment_id(client, config.experiment, uri)
+            run_tags = {**tags, **git_facts(), "host": socket.gethostname()}
+            parent_id = client.create_run(experiment_id, run_name=mode, tags=run_tags).info.run_id
+            client.log_batch(parent_id, params=_as_params(params))
+        shared = (experiment_id, parent_id)
+    else:
+        shared = None
+    experiment_id, parent_id = broadcast_object(shared, rank)
+    if not rank.is_main:
+        client = MlflowClient(uri)
+
+    previous = (resume or {}).get("children", {})
+    if rank.rank in previous:
+        child_id = previous[rank.rank]
+        client.update_run(child_id, status="RUNNING")
+    else:
+        child_tags = {PARENT_TAG: parent_id, "mode": mode, "rank": str(rank.rank),
+                      "local_rank": str(rank.local_rank), "world_size": str(rank.world_size),
+                      "host": socket.gethostname()}
+        child_id = client.create_run(experiment_id, run_name=f"{mode}/rank-{rank.rank}", tags=child_tags).info.run_id
+    children = dict(enumerate(all_gather_objects(child_id, rank)))
+
+    monitor = None
+    # One monitor per machine (local rank 0), on the parent, so the compare view shows them.
+    if config.system_metrics and rank.local_rank == 0:
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        multi_node = rank.world_size > rank.local_world_size
+        monitor = SystemMetricsMonitor(parent_id, sampling_interval=config.system_metrics_interval_s,
+                                       resume_logging=bool(resume), tracking_uri=uri,
+                                       node_id=socket.gethostname() if multi_node else None)
+        monitor.start()
+    return ModeRun(config, rank, uri, experiment_id, parent_id, child_id, children, monitor, client)
+
+
+class Untracked:
+    """Stands in for a ModeRun when tracking.enabled is false, so callers need no branches."""
+
+    ids: dict = {}
+
+    def log_epoch(self, metrics: dict, rank_metrics: dict) -> None:
+        pass
+
+    def log_rank_artifacts(self, paths: Iterable[Path]) -> None:
+        pass
+
+    def finish_parent(self, model, example, artifacts: Iterable[Path]) -> None:
+        pass
+
+    def end(self, status: str) -> None:
+        pass

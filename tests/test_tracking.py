@@ -1,0 +1,149 @@
+"""MLflow runs per mode and per rank, against a real server and the default SQLite store."""
+
+import json
+import signal
+import subprocess
+import time
+
+import mlflow
+import pytest
+import torch
+import yaml
+from mlflow import MlflowClient
+
+from pipeline.model import build_model
+from tests.conftest import free_port, make_project, project_env, run, subprocess_env, SMALL
+
+PARENT_METRICS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
+CHILD_METRICS = ("loss", "samples_per_s", "data_time_s", "compute_time_s", "optimizer_time_s", "peak_memory_mb",
+                 "weight_checksum")
+
+
+def project_with(root, mnist_dir, name, **sections):
+    params = {section: dict(values) for section, values in SMALL.items()}
+    for section, values in sections.items():
+        params.setdefault(section, {}).update(values)
+    project = make_project(root / name, params)
+    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    return project
+
+
+def runs_of(client: MlflowClient, project, mode: str):
+    ids = json.loads((project / "models" / mode / "mlflow_run.json").read_text())
+    parent = client.get_run(ids["parent"])
+    children = client.search_runs([ids["experiment_id"]], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    return parent, sorted(children, key=lambda r: int(r.data.tags["rank"]))
+
+
+def check_structure(client, project, mode, world_size, epochs=2):
+    parent, children = runs_of(client, project, mode)
+    assert parent.info.run_name == mode and parent.info.status == "FINISHED"
+    tags = parent.data.tags
+    assert tags["mode"] == mode and tags["world_size"] == str(world_size) and tags["device_type"] == "cpu"
+    for key in ("backend", "device_name", "git_commit", "git_dirty", "torch_version", "cuda_version", "host"):
+        assert tags[key]
+    assert parent.data.params["train.batch_size"] == "100"
+    assert parent.data.params["per_rank_batch_size"] == str(100 // world_size)
+    for key in PARENT_METRICS:
+        assert [m.step for m in client.get_metric_history(parent.info.run_id, key)] == list(range(1, epochs + 1)), key
+    assert any(key.startswith("system/") for key in parent.data.metrics)
+    assert [c.info.run_name for c in children] == [f"{mode}/rank-{r}" for r in range(world_size)]
+    checksums = []
+    for child in children:
+        assert child.info.status == "FINISHED"
+        assert child.data.tags["world_size"] == str(world_size) and "local_rank" in child.data.tags
+        for key in CHILD_METRICS:
+            history = client.get_metric_history(child.info.run_id, key)
+            assert [m.step for m in history] == list(range(1, epochs + 1)), key
+        checksums.append([m.value for m in client.get_metric_history(child.info.run_id, "weight_checksum")])
+        assert [a.path for a in client.list_artifacts(child.info.run_id)] == [f"rank-{child.data.tags['rank']}.log"]
+    assert all(c == checksums[0] for c in checksums)  # every rank in sync, epoch by epoch
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"checkpoint.pt", "params.yaml", f"{mode}.csv"} <= artifacts
+    return parent, children
+
+
+def test_ddp_four_ranks_against_a_real_server(tmp_path, mnist_dir, mlflow_server):
+    project = project_with(tmp_path, mnist_dir, "srv", train={"nproc": 4}, tracking={"log_every_n_steps": 5})
+    run(["mnist-pipeline", "train", "--mode", "ddp"], project,
+        **project_env(project, MLFLOW_TRACKING_URI=mlflow_server))
+    client = MlflowClient(mlflow_server)
+    parent, children = check_structure(client, project, "ddp", 4)
+    assert parent.data.tags["backend"] == "gloo"
+    steps = [m.step for m in client.get_metric_history(children[0].info.run_id, "step_loss")]
+    assert steps == [5, 10, 15, 20]
+
+    mlflow.set_tracking_uri(mlflow_server)
+    logged = mlflow.pytorch.load_model(f"runs:/{parent.info.run_id}/model")
+    saved = torch.load(project / "models/ddp/model.pt", weights_only=False)
+    local = build_model(saved["model"])
+    local.load_state_dict(saved["state_dict"])
+    batch = torch.randn(16, 1, 28, 28)
+    with torch.no_grad():
+        assert torch.equal(logged.eval()(batch), local.eval()(batch))
+
+
+@pytest.fixture(scope="module")
+def sqlite_project(tmp_path_factory, mnist_dir):
+    return project_with(tmp_path_factory.mktemp("sqlite"), mnist_dir, "proj", train={"nproc": 4})
+
+
+@pytest.mark.parametrize("mode, world_size", [("single", 1), ("dp", 1), ("ddp", 4)])
+def test_default_sqlite_store(sqlite_project, mode, world_size):
+    result = run(["mnist-pipeline", "train", "--mode", mode], sqlite_project, **project_env(sqlite_project))
+    assert "database is locked" not in result.stderr
+    assert (sqlite_project / "mlflow.db").is_file() and (sqlite_project / "mlartifacts").is_dir()
+    client = MlflowClient(f"sqlite:///{sqlite_project / 'mlflow.db'}")
+    check_structure(client, sqlite_project, mode, world_size)
+
+
+def test_unreachable_store_fails_before_training(sqlite_project):
+    uri = f"http://127.0.0.1:{free_port()}"
+    for mode in ("single", "ddp"):
+        result = run(["mnist-pipeline", "train", "--mode", mode], sqlite_project, check=False,
+                     **project_env(sqlite_project, MLFLOW_TRACKING_URI=uri))
+        assert result.returncode == 1
+        assert f"MLFLOW_TRACKING_URI={uri}: the tracking server does not answer" in result.stderr
+        assert "epoch" not in result.stderr and "launching" not in result.stdout
+
+
+def test_tracking_can_be_turned_off(sqlite_project, tmp_path):
+    params = yaml.safe_load((sqlite_project / "params.yaml").read_text())
+    params["tracking"]["enabled"] = False
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    uri = f"http://127.0.0.1:{free_port()}"  # unreachable, and not needed
+    run(["mnist-pipeline", "train", "--mode", "single", "--params", str(path)], sqlite_project,
+        **project_env(sqlite_project, MLFLOW_TRACKING_URI=uri))
+    assert json.loads((sqlite_project / "models/single/mlflow_run.json").read_text()) == {}
+
+
+@pytest.mark.parametrize("mode", ["single", "ddp"])
+def test_killed_training_ends_failed(tmp_path, mnist_dir, mode):
+    project = project_with(tmp_path, mnist_dir, "killed", train={"epochs": 200, "nproc": 2})
+    proc = subprocess.Popen(["mnist-pipeline", "train", "--mode", mode], cwd=project, text=True,
+                            env=subprocess_env(**project_env(project)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    deadline = time.monotonic() + 120
+    parent = None
+    while time.monotonic() < deadline:  # until the parent run has its first epoch
+        if (project / "mlflow.db").is_file():
+            try:
+                found = client.search_runs(client.search_experiments()[0:1] and
+                                           [e.experiment_id for e in client.search_experiments()],
+                                           f"attributes.run_name = '{mode}'")
+            except Exception:
+                found = []
+            if found and "val_loss" in found[0].data.metrics:
+                parent = found[0]
+                break
+        time.sleep(0.5)
+    assert parent is not None, proc.communicate(timeout=10)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    runs = client.search_runs([parent.info.experiment_id])
+    assert len(runs) == 1 + (2 if mode == "ddp" else 1)
+    statuses = {r.info.run_name: r.info.status for r in runs}
+    assert set(statuses.values()) == {"FAILED"}, (statuses, stderr[-3000:])
