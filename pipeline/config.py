@@ -84,7 +84,13 @@ class TrackingConfig:
     log_every_n_steps: int = field(default=0, metadata=_at_least(0))
 
 
-SECTIONS: dict[str, type] = {"data": DataConfig, "train": TrainConfig, "tracking": TrackingConfig}
+@dataclass(frozen=True)
+class EvaluateConfig:
+    batch_size: int = field(default=2000, metadata=_at_least(1))
+
+
+SECTIONS: dict[str, type] = {"data": DataConfig, "train": TrainConfig, "tracking": TrackingConfig,
+                             "evaluate": EvaluateConfig}
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class Config:
     data: DataConfig = DataConfig()
     train: TrainConfig = TrainConfig()
     tracking: TrackingConfig = TrackingConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
 
 
 def _type_ok(value: Any, hint: Any) -> bool:

@@ -248,3 +248,42 @@ class Untracked:
 
     def end(self, status: str) -> None:
         pass
+
+
+def log_to_mode_run(config: TrackingConfig, ids: dict, metrics: dict[str, float], artifacts: Iterable[Path],
+                    artifact_dir: str | None = None) -> None:
+    """Add a later stage's numbers and files to the parent run a training made (see mlflow_run.json)."""
+    if not config.enabled or not ids:
+        return
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri())
+    client.log_batch(ids["parent"], metrics=_metrics(metrics, step=0))
+    for path in artifacts:
+        client.log_artifact(ids["parent"], str(path), artifact_dir)
+
+
+def log_compare_run(config: TrackingConfig, mode_ids: dict[str, dict], metrics: dict[str, float],
+                    artifacts: Iterable[Path]) -> str | None:
+    """A `compare` run holding the report, tagged with (and linking to) the mode runs it compares."""
+    ids = {mode: value for mode, value in mode_ids.items() if value}
+    if not config.enabled or not ids:
+        return None
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri())
+    experiment_id = next(iter(ids.values()))["experiment_id"]
+    # The description (mlflow.note.content) is Markdown in the UI: one link per mode run.
+    links = " | ".join(f"[{mode}](#/experiments/{v['experiment_id']}/runs/{v['parent']})" for mode, v in ids.items())
+    tags = {f"run_id.{mode}": value["parent"] for mode, value in ids.items()}
+    tags.update({"mlflow.note.content": f"Compares the mode runs: {links}", **git_facts()})
+    run_id = client.create_run(experiment_id, run_name="compare", tags=tags).info.run_id
+    try:
+        client.log_batch(run_id, metrics=_metrics(metrics, step=0))
+        for path in artifacts:
+            client.log_artifact(run_id, str(path))
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, "FINISHED")
+    return run_id

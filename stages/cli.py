@@ -6,6 +6,8 @@ import click
 
 from pipeline import __version__
 from pipeline.errors import PipelineError
+from stages.compare import compare
+from stages.evaluate import evaluate
 from stages.prepare import prepare
 from stages.train import train
 
@@ -27,5 +29,5 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
 
-for command in (prepare, train):
+for command in (prepare, train, evaluate, compare):
     main.add_command(command)

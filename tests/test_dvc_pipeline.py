@@ -1,6 +1,7 @@
-"""`dvc repro` of the whole pipeline on a small slice, in a temporary git repo."""
+"""`dvc repro` of the whole pipeline on a small slice, in a temporary git repo, and the DVC views."""
 
 import json
+import re
 
 import pytest
 
@@ -19,14 +20,17 @@ def repro(tmp_path_factory, mnist_dir):
 
 def test_repro_runs_every_stage(repro):
     project, _, result = repro
-    for stage in ["prepare", *(f"train@{m}" for m in MODES)]:
+    stages = ["prepare", *(f"{s}@{m}" for s in ("train", "evaluate") for m in MODES), "compare"]
+    for stage in stages:
         assert f"Running stage '{stage}'" in result.stdout
     for mode in MODES:
         assert (project / "models" / mode / "model.pt").is_file()
-        summary = json.loads((project / "metrics/train" / f"{mode}.json").read_text())
-        assert summary["mode"] == mode and summary["epochs"] == 2
+        assert json.loads((project / "metrics/train" / f"{mode}.json").read_text())["epochs"] == 2
         rows = (project / "plots/train" / f"{mode}.csv").read_text().splitlines()
         assert rows[0].startswith("epoch,train_loss") and len(rows) == 3
+        confusion = (project / "plots/eval" / mode / "confusion.csv").read_text().splitlines()
+        assert confusion[0] == "actual,predicted" and len(confusion) == 10_001
+        assert (project / "plots/confusion" / f"{mode}.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_second_repro_is_a_noop(repro):
@@ -45,3 +49,78 @@ def test_each_stage_depends_only_on_the_params_it_reads(repro):
         assert set(changed) == {f"train@{m}" for m in MODES}
     finally:
         params.write_text(original)
+
+
+def test_metrics_show_has_every_mode(repro):
+    project, env, _ = repro
+    shown = json.loads(run(["dvc", "metrics", "show", "--json"], project, **env).stdout)
+    files = next(iter(shown.values()))["data"]
+    for mode in MODES:
+        evaluation = files[f"metrics/eval/{mode}.json"]["data"]
+        assert 0.5 < evaluation["accuracy"] <= 1 and len(evaluation["per_class_accuracy"]) == 10
+        assert files[f"metrics/train/{mode}.json"]["data"]["mode"] == mode
+
+
+def test_plots_show_renders(repro, tmp_path):
+    project, env, _ = repro
+    result = run(["dvc", "plots", "show", "--json"], project, **env)
+    shown = json.loads(result.stdout)
+    assert shown.get("errors") is None
+    for mode in MODES:
+        for path in (f"plots/train/{mode}.csv", f"plots/eval/{mode}/confusion.csv", f"plots/confusion/{mode}.png"):
+            assert path in shown["data"]
+    run(["dvc", "plots", "show", "-o", str(tmp_path / "html")], project, **env)
+    assert "vega" in (tmp_path / "html" / "index.html").read_text().lower()
+
+
+def test_report_numbers_equal_the_metrics(repro):
+    project, _, _ = repro
+    report = (project / "reports/comparison.md").read_text()
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
+            for line in report.splitlines() if re.match(r"\| (single|dp|ddp) \|", line)}
+    assert set(rows) == set(MODES)
+    single_speed = json.loads((project / "metrics/train/single.json").read_text())["samples_per_s"]
+    for mode in MODES:
+        train = json.loads((project / "metrics/train" / f"{mode}.json").read_text())
+        evaluation = json.loads((project / "metrics/eval" / f"{mode}.json").read_text())
+        row = rows[mode]
+        assert row[1] == str(train["world_size"]) and row[3] == str(train["epochs"])
+        assert row[4] == f"{train['samples_per_s']:,.0f}"
+        assert row[5] == f"{train['samples_per_s'] / single_speed:.2f}x"
+        assert row[7] == f"{train['train_time_s']:.1f}"
+        assert row[8] == f"{evaluation['accuracy']:.2%}"
+    assert "bare module" in rows["dp"][2] and "DataParallel ran on a CPU-only host" in report
+    for png in ("throughput.png", "val_loss.png"):
+        assert (project / "reports" / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_exp_run_makes_a_new_experiment(repro):
+    project, env, _ = repro
+    run(["dvc", "exp", "run", "-n", "three-epochs", "-S", "train.epochs=3"], project, **env)
+    shown = json.loads(run(["dvc", "exp", "show", "--json"], project, **env).stdout)
+    experiments = [exp for commit in shown for exp in (commit.get("experiments") or [])]
+    names = [exp["name"] for exp in experiments]
+    assert "three-epochs" in names
+    revs = [rev for exp in experiments if exp["name"] == "three-epochs" for rev in exp["revs"]]
+    data = revs[0]["data"]
+    assert data["params"]["params.yaml"]["data"]["train"]["epochs"] == 3
+    assert data["metrics"]["metrics/train/ddp.json"]["data"]["epochs"] == 3
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_evaluate_names_a_missing_or_corrupt_model(tmp_path, repro, damage):
+    project, env, _ = repro
+    model = project / "models/single/model.pt"
+    saved = model.read_bytes()
+    try:
+        if damage == "missing":
+            model.unlink()
+        else:
+            model.write_bytes(b"not a checkpoint")
+        result = run(["mnist-pipeline", "evaluate", "--mode", "single"], project, check=False, **env)
+        assert result.returncode == 1
+        assert "models/single/model.pt: " + ("missing" if damage == "missing" else "not a usable model file") \
+            in result.stderr
+        assert "Traceback" not in result.stderr
+    finally:
+        model.write_bytes(saved)

@@ -1,0 +1,92 @@
+"""Test-set evaluation of a trained model: accuracy, loss, per-class accuracy, confusion matrix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.errors import PipelineError
+from pipeline.loop import DeviceSplit
+from pipeline.model import MODELS, build_model
+from pipeline.plotting import pyplot
+from pipeline.prepared import NUM_CLASSES
+
+
+@dataclass(frozen=True)
+class TrainedModel:
+    module: nn.Module
+    mean: float
+    std: float
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    accuracy: float
+    loss: float
+    per_class_accuracy: list[float]
+    confusion: torch.Tensor  # [actual, predicted] counts
+    predictions: torch.Tensor  # int64 [N]
+
+    def summary(self) -> dict:
+        return {
+            "accuracy": self.accuracy,
+            "loss": self.loss,
+            "per_class_accuracy": {str(c): acc for c, acc in enumerate(self.per_class_accuracy)},
+            "count": int(self.confusion.sum()),
+        }
+
+
+def load_trained_model(path: Path) -> TrainedModel:
+    """The model a train stage saved; a missing or damaged file is an error that names it."""
+    if not path.is_file():
+        raise PipelineError(f"{path}: missing; train this mode first (mnist-pipeline train, or dvc repro)")
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        if saved.get("model") not in MODELS:
+            raise ValueError(f"unknown architecture {saved.get('model')!r}")
+        module = build_model(saved["model"])
+        module.load_state_dict(saved["state_dict"])
+        norm = saved["normalization"]
+        return TrainedModel(module, float(norm["mean"]), float(norm["std"]))
+    except Exception as exc:
+        raise PipelineError(f"{path}: not a usable model file ({exc}); train this mode again") from None
+
+
+@torch.no_grad()
+def evaluate_model(module: nn.Module, data: DeviceSplit, batch_size: int) -> Evaluation:
+    module.eval()
+    predictions, loss = [], torch.zeros((), dtype=torch.float64, device=data.labels.device)
+    for images, labels in zip(data.images.split(batch_size), data.labels.split(batch_size)):
+        logits = module(images).float()
+        loss += F.cross_entropy(logits, labels, reduction="sum")
+        predictions.append(logits.argmax(1))
+    predicted = torch.cat(predictions).cpu()
+    actual = data.labels.cpu()
+    confusion = torch.bincount(actual * NUM_CLASSES + predicted, minlength=NUM_CLASSES**2).reshape(NUM_CLASSES, -1)
+    per_class = (confusion.diag().double() / confusion.sum(1).clamp(min=1)).tolist()
+    return Evaluation(
+        accuracy=(predicted == actual).double().mean().item(),
+        loss=loss.item() / len(actual),
+        per_class_accuracy=per_class,
+        confusion=confusion,
+        predictions=predicted,
+    )
+
+
+def confusion_png(confusion: torch.Tensor, title: str, path: Path) -> None:
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(6, 5.5))
+    image = axes.imshow(confusion.numpy(), cmap="Blues")
+    for (actual, predicted), count in zip(torch.cartesian_prod(torch.arange(10), torch.arange(10)).tolist(),
+                                          confusion.flatten().tolist()):
+        color = "white" if count > confusion.max().item() / 2 else "black"
+        axes.text(predicted, actual, str(count), ha="center", va="center", fontsize=7, color=color)
+    axes.set(xticks=range(10), yticks=range(10), xlabel="predicted", ylabel="actual", title=title)
+    figure.colorbar(image)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100, format="png")
+    plt.close(figure)

@@ -1,0 +1,114 @@
+"""The comparison report: what each parallel mode bought, as a Markdown table and two plots."""
+
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.plotting import pyplot
+
+
+@dataclass(frozen=True)
+class ModeResult:
+    mode: str
+    train: dict  # metrics/train/<mode>.json
+    eval: dict  # metrics/eval/<mode>.json
+    curves: list[dict]  # plots/train/<mode>.csv rows
+
+    @property
+    def devices(self) -> int:
+        """How many devices the mode trained on: what a perfect speed-up would equal. On a CPU
+        every mode shares the same cores, so ranks add no hardware and the ideal stays 1x."""
+        if self.train["device"] == "cpu":
+            return 1
+        if self.mode == "ddp":
+            return self.train["world_size"]
+        if self.mode == "dp":
+            return self.train["dp_devices"]
+        return 1
+
+    @property
+    def bare_dp(self) -> bool:
+        return self.mode == "dp" and self.train["device"] == "cpu"
+
+
+def read_curves(path: Path) -> list[dict]:
+    with path.open() as handle:
+        return [{key: float(value) for key, value in row.items()} for row in csv.DictReader(handle)]
+
+
+def comparison_rows(results: list[ModeResult]) -> list[dict]:
+    baseline = next((r for r in results if r.mode == "single"), None)
+    rows = []
+    for r in results:
+        speedup = r.train["samples_per_s"] / baseline.train["samples_per_s"] if baseline else None
+        rows.append({
+            "mode": r.mode,
+            "world_size": r.train["world_size"],
+            "device": r.train["device_name"] + (" (bare module: no GPU to split over)" if r.bare_dp else ""),
+            "epochs": r.train["epochs"],
+            "samples_per_s": r.train["samples_per_s"],
+            "speedup": speedup,
+            "scaling_efficiency": speedup / r.devices if speedup is not None else None,
+            "train_time_s": r.train["train_time_s"],
+            "test_accuracy": r.eval["accuracy"],
+        })
+    return rows
+
+
+def _fmt(value, pattern: str) -> str:
+    return "n/a" if value is None else format(value, pattern)
+
+
+def markdown(rows: list[dict], results: list[ModeResult]) -> str:
+    lines = [
+        "# Data-parallel modes compared",
+        "",
+        "| mode | world size | device | epochs | samples/s | speed-up over single | scaling efficiency "
+        "| training time (s) | test accuracy |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['mode']} | {row['world_size']} | {row['device']} | {row['epochs']} | "
+            f"{row['samples_per_s']:,.0f} | {_fmt(row['speedup'], '.2f')}x | "
+            f"{_fmt(row['scaling_efficiency'], '.0%')} | {row['train_time_s']:.1f} | {row['test_accuracy']:.2%} |"
+        )
+    lines += [
+        "",
+        "Speed-up is samples/s over the single-device baseline; scaling efficiency is the speed-up "
+        "divided by the devices the mode used (DDP: its GPUs, one per rank; DataParallel: its GPUs; "
+        "on a CPU-only host every mode shares the same cores, so the ideal is 1x).",
+    ]
+    if any(r.bare_dp for r in results):
+        lines += ["", "**DataParallel ran on a CPU-only host**, where it has no GPUs to split the batch "
+                      "over: it trained the bare module, so its numbers are the single-device numbers "
+                      "again, not a measurement of DataParallel."]
+    lines += ["", "![throughput](throughput.png)", "", "![validation loss](val_loss.png)", ""]
+    return "\n".join(lines)
+
+
+def throughput_png(rows: list[dict], path: Path) -> None:
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(6, 4))
+    bars = axes.bar([r["mode"] for r in rows], [r["samples_per_s"] for r in rows], color="tab:blue")
+    axes.bar_label(bars, labels=[f"{r['samples_per_s']:,.0f}" for r in rows])
+    axes.set(ylabel="training samples/s", title="Throughput per mode")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100, format="png")
+    plt.close(figure)
+
+
+def val_loss_png(results: list[ModeResult], path: Path) -> None:
+    plt = pyplot()
+    figure, axes = plt.subplots(figsize=(6, 4))
+    # Equivalent modes draw the same curve: distinct dashes keep every line visible.
+    for r, style in zip(results, ("-", "--", ":", "-.")):
+        axes.plot([c["epoch"] for c in r.curves], [c["val_loss"] for c in r.curves], style, marker="o",
+                  label=r.mode)
+    axes.set(xlabel="epoch", ylabel="validation loss", title="Validation loss per epoch")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100, format="png")
+    plt.close(figure)

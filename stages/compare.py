@@ -1,0 +1,58 @@
+"""compare: every mode's train and eval metrics -> reports/comparison.md and its plots."""
+
+import json
+from pathlib import Path
+
+import click
+
+from pipeline import tracking
+from pipeline.atomic import atomic_dir
+from pipeline.config import load_config
+from pipeline.errors import PipelineError
+from pipeline.report import ModeResult, comparison_rows, markdown, read_curves, throughput_png, val_loss_png
+from stages.common import params_option
+from stages.train import RUN_FILE, model_dir
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise PipelineError(f"{path}: missing; run the train and evaluate stages first (dvc repro)")
+    return json.loads(path.read_text())
+
+
+def mode_result(mode: str) -> ModeResult:
+    curves = Path("plots/train") / f"{mode}.csv"
+    if not curves.is_file():
+        raise PipelineError(f"{curves}: missing; run the train stage for {mode} first (dvc repro)")
+    return ModeResult(mode, read_json(Path("metrics/train") / f"{mode}.json"),
+                      read_json(Path("metrics/eval") / f"{mode}.json"), read_curves(curves))
+
+
+@click.command()
+@params_option
+@click.option("--out", default="reports", show_default=True, type=click.Path(file_okay=False))
+def compare(params_path: str, out: str) -> None:
+    """Write reports/comparison.md (table + plots) and log it as a `compare` MLflow run."""
+    config = load_config(params_path)
+    if config.tracking.enabled:
+        tracking.check_store(tracking.tracking_uri())
+    results = [mode_result(mode) for mode in config.train.modes]
+    rows = comparison_rows(results)
+    with atomic_dir(out) as tmp:
+        (tmp / "comparison.md").write_text(markdown(rows, results))
+        throughput_png(rows, tmp / "throughput.png")
+        val_loss_png(results, tmp / "val_loss.png")
+    files = [Path(out) / name for name in ("comparison.md", "throughput.png", "val_loss.png")]
+
+    mode_ids = {}
+    for r in results:
+        run_file = model_dir(r.mode) / RUN_FILE
+        mode_ids[r.mode] = json.loads(run_file.read_text()) if run_file.is_file() else {}
+    metrics = {}
+    for row in rows:
+        metrics[f"{row['mode']}_samples_per_s"] = row["samples_per_s"]
+        metrics[f"{row['mode']}_test_accuracy"] = row["test_accuracy"]
+        if row["speedup"] is not None:
+            metrics[f"{row['mode']}_speedup"] = row["speedup"]
+    tracking.log_compare_run(config.tracking, mode_ids, metrics, files)
+    click.echo((Path(out) / "comparison.md").read_text())
