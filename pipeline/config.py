@@ -85,17 +85,34 @@ class TrackingConfig:
 
 
 @dataclass(frozen=True)
+class CommcheckConfig:
+    # false: the stage records that it was skipped and the pipeline goes on.
+    enabled: bool = True
+    min_bytes: int = field(default=4, metadata=_at_least(4))
+    max_bytes: int = field(default=4 * 2**20, metadata=_at_least(4))
+    factor: int = field(default=4, metadata=_at_least(2))
+    warmup: int = field(default=3, metadata=_at_least(0))
+    iters: int = field(default=10, metadata=_at_least(1))
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < self.min_bytes:
+            raise ConfigError(f"commcheck.max_bytes = {self.max_bytes} is below commcheck.min_bytes = "
+                              f"{self.min_bytes}; allowed: max_bytes >= min_bytes")
+
+
+@dataclass(frozen=True)
 class EvaluateConfig:
     batch_size: int = field(default=2000, metadata=_at_least(1))
 
 
-SECTIONS: dict[str, type] = {"data": DataConfig, "train": TrainConfig, "tracking": TrackingConfig,
-                             "evaluate": EvaluateConfig}
+SECTIONS: dict[str, type] = {"data": DataConfig, "commcheck": CommcheckConfig, "train": TrainConfig,
+                             "tracking": TrackingConfig, "evaluate": EvaluateConfig}
 
 
 @dataclass(frozen=True)
 class Config:
     data: DataConfig = DataConfig()
+    commcheck: CommcheckConfig = CommcheckConfig()
     train: TrainConfig = TrainConfig()
     tracking: TrackingConfig = TrackingConfig()
     evaluate: EvaluateConfig = EvaluateConfig()

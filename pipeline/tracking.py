@@ -127,6 +127,16 @@ class ModeRun:
         batch += _metrics_series("step_loss", rank_metrics.get("step_losses", ()))
         self._client.log_batch(self.child_id, metrics=batch)
 
+    def log_points(self, parent_points: Iterable[tuple[str, float, int]],
+                   rank_points: Iterable[tuple[str, float, int]]) -> None:
+        """(key, value, step) series in one batch per run: the parent's from rank 0, and this rank's."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        if self.rank.is_main:
+            self._client.log_batch(self.parent_id, metrics=[Metric(k, float(v), now, s) for k, v, s in parent_points])
+        self._client.log_batch(self.child_id, metrics=[Metric(k, float(v), now, s) for k, v, s in rank_points])
+
     def log_rank_artifacts(self, paths: Iterable[Path]) -> None:
         for path in paths:
             if path.is_file():
@@ -239,6 +249,19 @@ class Untracked:
 
     def log_epoch(self, metrics: dict, rank_metrics: dict) -> None:
         pass
+
+    def log_points(self, parent_points, rank_points) -> None:
+        pass
+
+    def log_points(self, parent_points: Iterable[tuple[str, float, int]],
+                   rank_points: Iterable[tuple[str, float, int]]) -> None:
+        """(key, value, step) series in one batch per run: the parent's from rank 0, and this rank's."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        if self.rank.is_main:
+            self._client.log_batch(self.parent_id, metrics=[Metric(k, float(v), now, s) for k, v, s in parent_points])
+        self._client.log_batch(self.child_id, metrics=[Metric(k, float(v), now, s) for k, v, s in rank_points])
 
     def log_rank_artifacts(self, paths: Iterable[Path]) -> None:
         pass

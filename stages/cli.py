@@ -6,6 +6,7 @@ import click
 
 from pipeline import __version__
 from pipeline.errors import PipelineError
+from stages.commcheck import commcheck
 from stages.compare import compare
 from stages.evaluate import evaluate
 from stages.prepare import prepare
@@ -29,5 +30,5 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
 
-for command in (prepare, train, evaluate, compare):
+for command in (prepare, commcheck, train, evaluate, compare):
     main.add_command(command)

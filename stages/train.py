@@ -6,7 +6,6 @@ import csv
 import io
 import logging
 import signal
-import sys
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, checkpoint_extra
 from pipeline.config import MODES, Config, flatten, load_config
 from pipeline.loop import Training, to_device, train as train_model
 from pipeline.prepared import Split, load_prepared, load_stats
-from stages.common import params_option
+from stages.common import launch_workers, params_option
 
 log = logging.getLogger(__name__)
 RUN_FILE = "mlflow_run.json"  # the mode's run ids, for evaluate and compare to log into
@@ -167,13 +166,10 @@ def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
     if config.tracking.enabled and not parallel.under_torchrun():
         tracking.check_store(tracking.tracking_uri())
     if mode == "ddp" and not parallel.under_torchrun():
-        nproc = config.train.nproc or parallel.default_nproc()
         # Fail here, before any worker starts, on what would fail in every worker.
-        parallel.per_rank_batch(config.train.batch_size, nproc)
+        parallel.per_rank_batch(config.train.batch_size, config.train.nproc or parallel.default_nproc())
         load_stats(Path(data_dir))
-        argv = [sys.executable, "-m", "pipeline", "train", "--mode", "ddp",
-                "--params", params_path, "--data-dir", data_dir] + (["--resume"] if resume else [])
-        click.echo(f"ddp: launching {nproc} workers")
-        parallel.launch_workers(nproc, argv)
+        launch_workers(config, ["train", "--mode", "ddp", "--params", params_path, "--data-dir", data_dir]
+                       + (["--resume"] if resume else []))
         return
     run_worker(config, Path(params_path), mode, Path(data_dir), resume)

@@ -83,6 +83,7 @@ def project_env(project: Path, **extra: str) -> dict[str, str]:
 
 
 SMALL = {"data": {"train_limit": 1100, "val_size": 100},
+         "commcheck": {"max_bytes": 65536, "iters": 3},
          "train": {"epochs": 2, "batch_size": 100, "nproc": 2}}
 
 

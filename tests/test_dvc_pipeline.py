@@ -20,7 +20,7 @@ def repro(tmp_path_factory, mnist_dir):
 
 def test_repro_runs_every_stage(repro):
     project, _, result = repro
-    stages = ["prepare", *(f"{s}@{m}" for s in ("train", "evaluate") for m in MODES), "compare"]
+    stages = ["prepare", "commcheck", *(f"{s}@{m}" for s in ("train", "evaluate") for m in MODES), "compare"]
     for stage in stages:
         assert f"Running stage '{stage}'" in result.stdout
     for mode in MODES:
@@ -37,6 +37,12 @@ def test_second_repro_is_a_noop(repro):
     project, env, _ = repro
     again = run(["dvc", "repro"], project, **env)
     assert "Running stage" not in again.stdout
+
+
+def test_commcheck_runs_before_any_training(repro):
+    _, _, result = repro
+    first_train = min(result.stdout.index(f"Running stage 'train@{m}'") for m in MODES)
+    assert result.stdout.index("Running stage 'commcheck'") < first_train
 
 
 def test_each_stage_depends_only_on_the_params_it_reads(repro):

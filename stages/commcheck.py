@@ -1,0 +1,95 @@
+"""commcheck: every torch.distributed primitive checked and timed -> metrics/comm.json, checks/comm.json."""
+
+import socket
+from pathlib import Path
+
+import click
+
+from pipeline import comm, parallel, tracking
+from pipeline.atomic import write_json
+from pipeline.config import Config, flatten, load_config
+from pipeline.errors import PipelineError
+from stages.common import launch_workers, params_option
+
+METRICS_FILE = Path("metrics/comm.json")
+# What training depends on: the verdict alone, which stays the same run after run (timings do not),
+# so re-checking the interconnect does not retrain every mode.
+VERDICT_FILE = Path("checks/comm.json")
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'primitive':<12} {'bytes':>10} {'time (us)':>11} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}"]
+    def bandwidth(value) -> str:
+        return f"{'-':>13}" if value is None else f"{value:>13.4f}"
+
+    lines += [f"{r['primitive']:<12} {r['bytes']:>10} {r['time_us']:>11.1f} {bandwidth(r['algbw_gbps'])} "
+              f"{bandwidth(r['busbw_gbps'])}" for r in rows]
+    return "\n".join(lines)
+
+
+def per_primitive(rows: list[dict]) -> dict:
+    summary = {}
+    for primitive in comm.PRIMITIVES:
+        mine = [r for r in rows if r["primitive"] == primitive]
+        summary[primitive] = {"passed": True, "latency_us": mine[0]["time_us"]}
+        if primitive != "barrier":
+            summary[primitive]["peak_algbw_gbps"] = max(r["algbw_gbps"] for r in mine)
+            summary[primitive]["peak_busbw_gbps"] = max(r["busbw_gbps"] for r in mine)
+    return summary
+
+
+def run_worker(config: Config) -> None:
+    rank = parallel.rank_from_env()
+    device = parallel.pick_device(rank)
+    if device.type == "cpu":
+        parallel.limit_cpu_threads(rank)
+    backend = parallel.backend_for(device)
+    if config.tracking.enabled and rank.is_main:
+        tracking.check_store(tracking.tracking_uri())
+    with parallel.process_group(rank, device):
+        tags = {"mode": "commcheck", "world_size": str(rank.world_size), "backend": backend,
+                "device_type": device.type, "device_name": parallel.device_name(device)}
+        params = {k: v for k, v in flatten(config).items() if k.startswith("commcheck.")}
+        runs = tracking.start_mode_run(config.tracking, "commcheck", rank, tags, params)
+        try:
+            mine = comm.sweep(rank, device, config.commcheck)
+            per_rank = parallel.all_gather_objects(mine, rank)
+            rows = comm.summarize(per_rank, rank.world_size)
+            runs.log_points(
+                [(f"{r['primitive']}_{key}", r[key], r["bytes"]) for r in rows for key in ("algbw_gbps", "busbw_gbps")
+                 if r[key] is not None],
+                [(f"{t['primitive']}_time_us", t["seconds"] * 1e6, t["bytes"]) for t in mine["timings"]])
+            failure = comm.failure_message(per_rank, backend)
+            if rank.is_main:
+                click.echo(table(rows))
+            if failure:
+                # Every rank stops; rank 0 says why, once.
+                raise PipelineError(failure) if rank.is_main else SystemExit(1)
+            if rank.is_main:
+                facts = {"world_size": rank.world_size, "backend": backend, "device": device.type}
+                write_json(METRICS_FILE, {"enabled": True, "passed": True, **facts, "host": socket.gethostname(),
+                                          "primitives": per_primitive(rows), "sweep": rows})
+                write_json(VERDICT_FILE, {"enabled": True, "passed": True, **facts,
+                                          "primitives": list(comm.PRIMITIVES)})
+                click.echo(f"commcheck: all {len(comm.PRIMITIVES)} primitives passed on {rank.world_size} ranks ({backend})")
+        except BaseException:
+            runs.end("FAILED")
+            raise
+        runs.end("FINISHED")
+
+
+@click.command()
+@params_option
+def commcheck(params_path: str) -> None:
+    """Check and time every torch.distributed primitive across the training devices."""
+    config = load_config(params_path)
+    if parallel.under_torchrun():
+        run_worker(config)
+    elif not config.commcheck.enabled:
+        for path in (METRICS_FILE, VERDICT_FILE):
+            write_json(path, {"enabled": False})
+        click.echo("commcheck: skipped (commcheck.enabled is false)")
+    else:
+        if config.tracking.enabled:
+            tracking.check_store(tracking.tracking_uri())
+        launch_workers(config, ["commcheck", "--params", params_path])

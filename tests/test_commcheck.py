@@ -1,0 +1,101 @@
+"""`mnist-pipeline commcheck`: every primitive checked with closed-form values and timed."""
+
+import json
+
+import pytest
+import yaml
+
+from pipeline.comm import PRIMITIVES, bandwidths, bus_factor, message_bytes, sizes
+from tests.conftest import make_project, project_env, run
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    # Small sweep: correctness does not need large messages, and CI has 2 cores.
+    return make_project(tmp_path_factory.mktemp("comm") / "proj",
+                        {"commcheck": {"max_bytes": 4096, "iters": 3, "warmup": 1}})
+
+
+def commcheck(project, nproc, check=True, **env):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"]["nproc"] = nproc
+    (project / f"params-{nproc}.yaml").write_text(yaml.safe_dump(params))
+    return run(["mnist-pipeline", "commcheck", "--params", f"params-{nproc}.yaml"], project, check=check,
+               **project_env(project, **env))
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_every_primitive_passes_and_is_recorded(project, nproc):
+    result = commcheck(project, nproc)
+    assert f"all {len(PRIMITIVES)} primitives passed on {nproc} ranks (gloo)" in result.stdout
+    report = json.loads((project / "metrics/comm.json").read_text())
+    assert report["passed"] and report["world_size"] == nproc and report["backend"] == "gloo"
+    assert set(report["primitives"]) == set(PRIMITIVES)
+    swept = {(row["primitive"], row["bytes"]) for row in report["sweep"]}
+    for primitive in PRIMITIVES:
+        expected_sizes = [0] if primitive == "barrier" else sizes(4, 4096, 4)
+        assert {(primitive, size) for size in expected_sizes} <= swept
+    for row in report["sweep"]:
+        assert row["time_us"] > 0
+        if row["bytes"]:
+            assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * bus_factor(row["primitive"], nproc))
+    verdict = json.loads((project / "checks/comm.json").read_text())
+    assert verdict == {"enabled": True, "passed": True, "world_size": nproc, "backend": "gloo", "device": "cpu",
+                       "primitives": list(PRIMITIVES)}
+
+
+def test_a_corrupted_rank_is_caught_and_named(project):
+    (project / "metrics/comm.json").unlink(missing_ok=True)
+    result = commcheck(project, 4, check=False, MNIST_PIPELINE_CORRUPT="all_reduce:2")
+    assert result.returncode == 1
+    assert "commcheck: all_reduce failed on 4 of 4 ranks (gloo)" in result.stderr
+    # Element 0 sums 1000 * (1 + 2 + 3 + 4) = 10000; rank 2 sent one too many.
+    assert "rank 0 expected 10000 at element 0 of a 4-byte message, got 10001" in result.stderr
+    assert "broadcast failed" not in result.stderr  # the other primitives still pass
+    assert not (project / "metrics/comm.json").exists()
+
+
+def test_a_corrupted_point_to_point_link_names_the_receiver(project):
+    result = commcheck(project, 2, check=False, MNIST_PIPELINE_CORRUPT="isend_irecv:0")
+    assert result.returncode == 1
+    assert "isend_irecv failed on 1 of 2 ranks (gloo): rank 1 expected 1000 at element 0" in result.stderr
+
+
+def test_disabled_records_that_it_was_skipped(project, tmp_path):
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["commcheck"]["enabled"] = False
+    (project / "off.yaml").write_text(yaml.safe_dump(params))
+    result = run(["mnist-pipeline", "commcheck", "--params", "off.yaml"], project, **project_env(project))
+    assert "skipped" in result.stdout
+    assert json.loads((project / "checks/comm.json").read_text()) == {"enabled": False}
+
+
+@pytest.mark.parametrize(
+    "primitive, n, factor",
+    [("all_reduce", 4, 1.5), ("all_reduce", 2, 1.0), ("all_gather", 4, 0.75), ("reduce_scatter", 8, 0.875),
+     ("broadcast", 4, 1.0), ("reduce", 4, 1.0), ("send_recv", 2, 1.0)],
+)
+def test_bus_bandwidth_factors(primitive, n, factor):
+    assert bus_factor(primitive, n) == factor
+
+
+def test_bandwidths_by_hand():
+    # all_reduce of 1 MB on 4 ranks in 1 ms: algbw 1 GB/s, busbw 1 x 2 x 3/4 = 1.5 GB/s.
+    assert bandwidths("all_reduce", 10**6, 1e-3, 4) == pytest.approx((1.0, 1.5))
+    # all_gather of 1 MB per rank on 4 ranks in 2 ms: the 4 MB result in 2 ms is 2 GB/s; busbw x 3/4.
+    assert message_bytes("all_gather", 10**6, 4) == 4 * 10**6
+    assert bandwidths("all_gather", 10**6, 2e-3, 4) == pytest.approx((2.0, 1.5))
+    assert bandwidths("broadcast", 5 * 10**5, 1e-3, 8) == pytest.approx((0.5, 0.5))
+    assert sizes(4, 4096, 4) == [4, 16, 64, 256, 1024, 4096]
+
+
+def test_a_broken_interconnect_stops_dvc_repro_before_training(tmp_path, mnist_dir):
+    from tests.conftest import SMALL
+
+    project = make_project(tmp_path / "proj", SMALL)
+    result = run(["dvc", "repro"], project, check=False,
+                 **project_env(project, MNIST_SOURCE=str(mnist_dir), MNIST_PIPELINE_CORRUPT="broadcast:0"))
+    assert result.returncode != 0
+    assert "broadcast failed on" in result.stderr
+    assert "Running stage 'train@" not in result.stdout
+    assert not (project / "models").exists()
