@@ -31,8 +31,15 @@ log = logging.getLogger(__name__)
 from pipeline.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint, trajectory
 from pipeline.config import TrainConfig
 from pipeline.model import build_model
-from pipeline.parallel import (Rank, all_gather_objects, dp_device_count, per_rank_batch, restarted_by_torchrun,
-                               unwrap, wrap)
+from pipeline.parallel import (
+    Rank,
+    all_gather_objects,
+    dp_device_count,
+    per_rank_batch,
+    restarted_by_torchrun,
+    unwrap,
+    wrap,
+)
 from pipeline.prepared import Split
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from datetime import timedelta
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Iterator, Sequence
 
 import torch

@@ -253,16 +253,6 @@ class Untracked:
     def log_points(self, parent_points, rank_points) -> None:
         pass
 
-    def log_points(self, parent_points: Iterable[tuple[str, float, int]],
-                   rank_points: Iterable[tuple[str, float, int]]) -> None:
-        """(key, value, step) series in one batch per run: the parent's from rank 0, and this rank's."""
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
-        if self.rank.is_main:
-            self._client.log_batch(self.parent_id, metrics=[Metric(k, float(v), now, s) for k, v, s in parent_points])
-        self._client.log_batch(self.child_id, metrics=[Metric(k, float(v), now, s) for k, v, s in rank_points])
-
     def log_rank_artifacts(self, paths: Iterable[Path]) -> None:
         pass
 

@@ -16,7 +16,8 @@ from pipeline import parallel, tracking
 from pipeline.atomic import save_torch, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, checkpoint_extra
 from pipeline.config import MODES, Config, flatten, load_config
-from pipeline.loop import Training, to_device, train as train_model
+from pipeline.loop import Training, to_device
+from pipeline.loop import train as train_model
 from pipeline.prepared import Split, load_prepared, load_stats
 from stages.common import launch_workers, params_option
 

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import yaml
 
@@ -14,7 +16,7 @@ def test_project_params_load():
 
 def test_config_is_frozen():
     config = config_from_dict({})
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         config.train.lr = 1.0
 
 

@@ -12,7 +12,7 @@ import yaml
 from mlflow import MlflowClient
 
 from pipeline.model import build_model
-from tests.conftest import free_port, make_project, project_env, run, subprocess_env, SMALL
+from tests.conftest import SMALL, free_port, make_project, project_env, run, subprocess_env
 
 PARENT_METRICS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
 CHILD_METRICS = ("loss", "samples_per_s", "data_time_s", "compute_time_s", "optimizer_time_s", "peak_memory_mb",

@@ -1,0 +1,53 @@
+"""The Dockerfile: linted by hadolint, and shaped the way the README promises."""
+
+import re
+import subprocess
+
+from tests.conftest import ROOT, VENV_BIN
+
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+
+
+def instructions() -> list[tuple[str, str]]:
+    joined = re.sub(r"\\\n", " ", DOCKERFILE)
+    return [(line.split()[0].upper(), line.split(None, 1)[1]) for line in joined.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_hadolint_passes():
+    result = subprocess.run([str(VENV_BIN / "hadolint"), str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_pinned_cuda_base_that_can_be_overridden():
+    steps = instructions()
+    assert steps[0][0] == "ARG" and re.fullmatch(r"BASE_IMAGE=nvidia/cuda:\d+\.\d+\.\d+-runtime-ubuntu\d+\.\d+",
+                                                  steps[0][1])
+    assert ("FROM", "${BASE_IMAGE}") in steps
+
+
+def test_requirements_install_before_the_source_is_copied():
+    steps = [f"{op} {arg}" for op, arg in instructions()]
+    install = next(i for i, s in enumerate(steps) if "pip install --no-cache-dir -r /tmp/requirements.txt" in s)
+    copy_source = next(i for i, s in enumerate(steps) if s.startswith("COPY") and " . /workspace" in s)
+    assert install < copy_source
+
+
+def test_non_root_workspace_and_entrypoint():
+    steps = instructions()
+    assert ("WORKDIR", "/workspace") in steps
+    users = [arg for op, arg in steps if op == "USER"]
+    assert users and not users[-1].startswith(("0", "root"))
+    assert steps[-1] == ("ENTRYPOINT", '["entrypoint"]')
+    assert "safe.directory" in DOCKERFILE and "rm -rf /var/lib/apt/lists/*" in DOCKERFILE
+
+
+def test_dockerignore_keeps_generated_things_out():
+    ignored = set((ROOT / ".dockerignore").read_text().split())
+    assert {".git", ".venv", "data", "models", "mlflow.db*", "mlartifacts", ".dvc/cache"} <= ignored
+
+
+def test_entrypoint_passes_commands_through(tmp_path):
+    result = subprocess.run(["sh", str(ROOT / "docker/entrypoint.sh"), "sh", "-c", "echo ran; echo $HOME"],
+                            capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"})
+    assert result.returncode == 0 and result.stdout.split() == ["ran", "/tmp"]
