@@ -117,7 +117,8 @@ def make_case(primitive: str, rank: Rank, numel: int, device) -> Case:
     if primitive in ("gather", "all_gather"):
         def setup() -> None:
             fresh()
-            state["out"] = [torch.empty(numel, device=device) for _ in range(n)] if r == 0 or primitive == "all_gather" else None
+            receives = r == 0 or primitive == "all_gather"
+            state["out"] = [torch.empty(numel, device=device) for _ in range(n)] if receives else None
         def run() -> None:
             if primitive == "gather":
                 dist.gather(state["buf"], state["out"], dst=0)
@@ -126,7 +127,8 @@ def make_case(primitive: str, rank: Rank, numel: int, device) -> Case:
         def check():
             if state["out"] is None:
                 return None
-            return _first_mismatch(torch.cat(state["out"]), torch.cat([expected_from(q, numel, device) for q in range(n)]))
+            expected = torch.cat([expected_from(q, numel, device) for q in range(n)])
+            return _first_mismatch(torch.cat(state["out"]), expected)
         return Case(setup, run, check)
     if primitive in ("send_recv", "isend_irecv"):
         right, left = (r + 1) % n, (r - 1) % n

@@ -76,7 +76,8 @@ class TrainConfig:
 @dataclass(frozen=True)
 class TrackingConfig:
     enabled: bool = True
-    experiment: str = field(default="mnist-data-parallel", metadata=_rule(lambda v: bool(v.strip()), "a non-empty name"))
+    experiment: str = field(default="mnist-data-parallel",
+                            metadata=_rule(lambda v: bool(v.strip()), "a non-empty name"))
     # MLflow's CPU, memory and GPU metrics, sampled every interval on each machine.
     system_metrics: bool = True
     system_metrics_interval_s: float = field(default=2.0, metadata=_positive())

@@ -177,6 +177,38 @@ def build(config: TrainConfig, steps: int, device: torch.device, mode: str):
     return model, wrapped, optimizer, scheduler
 
 
+def run_epoch(run: Training, wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor,
+              batch: int, first_step: int, clock: PhaseClock, autocast, show_bar: bool, desc: str):
+    """One pass over this rank's indices; returns (loss sum, correct count, sampled step losses),
+    all still on the device: a .item() per step would sync every step."""
+    device = data.labels.device
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    step_losses = []
+    wrapped.train()
+    for step, idx in enumerate(tqdm(order.split(batch), desc=desc, disable=not show_bar, leave=False),
+                               start=first_step):
+        clock.mark()
+        images, labels = data.images[idx], data.labels[idx]
+        clock.mark()
+        with autocast:
+            logits = wrapped(images)
+            loss = F.cross_entropy(logits.float(), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clock.mark()
+        optimizer.step()
+        scheduler.step()
+        clock.mark()
+        loss_sum += loss.detach() * len(idx)
+        correct += (logits.detach().argmax(1) == labels).sum()
+        if run.log_every_n_steps and step % run.log_every_n_steps == 0:
+            step_losses.append((step, loss.detach()))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the epoch's time must include its queued kernels
+    return loss_sum, correct, step_losses
+
+
 def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tuple[nn.Module, list[dict]]:
     """Train, checkpoint every epoch; return the trained (unwrapped) model and per-epoch metrics."""
     config, rank, device = run.config, run.rank, run.device
@@ -204,37 +236,14 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         # Reseeded per epoch and rank, so dropout after a resume draws what it would have drawn.
         torch.manual_seed(config.seed + 10_000 * (epoch + 1) + rank.rank)
         order = epoch_order(len(train_split), epoch, config.seed, rank).to(device)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-        correct = torch.zeros((), dtype=torch.int64, device=device)
-        step_losses = []
         if device.type == "cuda":
             for index in memory_devices:
                 torch.cuda.reset_peak_memory_stats(index)
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        wrapped.train()
-        batches = tqdm(order.split(batch), desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
-                       disable=not show_bar, leave=False)
-        for step, idx in enumerate(batches, start=epoch * steps + 1):
-            clock.mark()
-            images, labels = train_split.images[idx], train_split.labels[idx]
-            clock.mark()
-            with autocast:
-                logits = wrapped(images)
-                loss = F.cross_entropy(logits.float(), labels)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            clock.mark()
-            optimizer.step()
-            scheduler.step()
-            clock.mark()
-            # Accumulated on the device: a .item() here would sync every step.
-            loss_sum += loss.detach() * len(idx)
-            correct += (logits.detach().argmax(1) == labels).sum()
-            if run.log_every_n_steps and step % run.log_every_n_steps == 0:
-                step_losses.append((step, loss.detach()))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        loss_sum, correct, step_losses = run_epoch(
+            run, wrapped, optimizer, scheduler, train_split, order, batch, first_step=epoch * steps + 1,
+            clock=clock, autocast=autocast, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}")
         train_time = time.perf_counter() - started
 
         rank_samples = len(order)
@@ -242,8 +251,12 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         train_sums = all_sum(torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples)]), rank)
         val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size, autocast), rank)
         epoch_time = time.perf_counter() - started
-        # The slowest rank sets the pace of a synchronous step.
-        slowest = max(all_gather_objects(train_time, rank))
+        # One exchange per epoch: every rank's times, and its weights' checksum to prove they agree.
+        train_times, epoch_times, checksums = zip(*all_gather_objects(
+            (train_time, epoch_time, weight_checksum(model)), rank))
+        if len(set(checksums)) > 1:
+            raise RuntimeError(f"ranks out of sync after epoch {epoch + 1}: weight checksums per rank {checksums}")
+        slowest = max(train_times)  # the slowest rank sets the pace of a synchronous step
         metrics = {
             "epoch": epoch + 1,
             "train_loss": (train_sums[0] / train_sums[2]).item(),
@@ -252,16 +265,13 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             "val_accuracy": (val_sums[1] / val_sums[2]).item(),
             "samples_per_s": train_sums[2].item() / slowest,
             "train_time_s": slowest,
-            "epoch_time_s": max(all_gather_objects(epoch_time, rank)),
+            "epoch_time_s": max(epoch_times),
             "lr": scheduler.get_last_lr()[0],
+            "rank_weight_checksums": list(checksums),
         }
         if run.mode == "dp" and device.type == "cuda":  # DataParallel's memory, GPU by GPU
             metrics.update({f"gpu{i}_peak_memory_mb": torch.cuda.max_memory_allocated(i) / 2**20
                             for i in memory_devices})
-        checksums = all_gather_objects(weight_checksum(model), rank)
-        if len(set(checksums)) > 1:
-            raise RuntimeError(f"ranks out of sync after epoch {epoch + 1}: weight checksums per rank {checksums}")
-        metrics["rank_weight_checksums"] = checksums
         rank_metrics = {
             "loss": rank_loss,
             "samples_per_s": rank_samples / train_time,

@@ -187,6 +187,9 @@ def launch_workers(nproc: int, argv: Sequence[str]) -> None:
         run_id=f"mnist-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
+        # The workers reach the agent's store at this address; the host name it would otherwise
+        # advertise may not resolve (containers without their name in /etc/hosts).
+        local_addr="127.0.0.1",
         max_restarts=0,
         monitor_interval=0.2,
     )

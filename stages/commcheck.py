@@ -71,7 +71,8 @@ def run_worker(config: Config) -> None:
                                           "primitives": per_primitive(rows), "sweep": rows})
                 write_json(VERDICT_FILE, {"enabled": True, "passed": True, **facts,
                                           "primitives": list(comm.PRIMITIVES)})
-                click.echo(f"commcheck: all {len(comm.PRIMITIVES)} primitives passed on {rank.world_size} ranks ({backend})")
+                click.echo(f"commcheck: all {len(comm.PRIMITIVES)} primitives passed on {rank.world_size} ranks "
+                           f"({backend})")
         except BaseException:
             runs.end("FAILED")
             raise

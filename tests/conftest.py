@@ -35,7 +35,8 @@ def write_tiny_mnist(folder: Path, n_train: int = 40, n_test: int = 20) -> Path:
     """Four small, well-formed IDX files (not canonical MNIST: verify_checksums must be off)."""
     folder.mkdir(parents=True, exist_ok=True)
     for prefix, n in (("train", n_train), ("t10k", n_test)):
-        (folder / f"{prefix}-images-idx3-ubyte").write_bytes(idx_bytes([i % 256 for i in range(n * 28 * 28)], (n, 28, 28)))
+        pixels = [i % 256 for i in range(n * 28 * 28)]
+        (folder / f"{prefix}-images-idx3-ubyte").write_bytes(idx_bytes(pixels, (n, 28, 28)))
         (folder / f"{prefix}-labels-idx1-ubyte").write_bytes(idx_bytes([i % 10 for i in range(n)], (n,)))
     return folder
 
