@@ -49,6 +49,8 @@ def main() -> None:
         for name in ("pipeline", "stages"):
             shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
         env = {**os.environ, "PYTHONPATH": str(project)}
+        if "MNIST_SOURCE" in env:  # the stages run in the copy: a relative path must not move with them
+            env["MNIST_SOURCE"] = str(Path(env["MNIST_SOURCE"]).resolve())
         env.pop("MLFLOW_TRACKING_URI", None)
         shutil.copy(ROOT / "params.yaml", project / "params.yaml")
         subprocess.run([sys.executable, "-m", "pipeline", "prepare"], cwd=project, env=env, check=True,
