@@ -2,9 +2,9 @@
 # Proves the Dockerfile on a machine where no registry image can be pulled (no nvidia/cuda):
 #   1. makes a stand-in base: a debootstrap'd Debian with the environment the CUDA base sets;
 #   2. builds the image from it with buildah (chroot isolation, vfs storage: no daemon needed);
-#   3. runs inside it `mnist-pipeline --version` (self-contained: the repo baked in), then the
-#      entrypoint's default `dvc repro` on a small slice of MNIST with a copy of the repo mounted
-#      over /workspace as a non-root uid, as `docker run --user $(id -u):$(id -g) -v "$PWD":/workspace`.
+#   3. runs inside it `mnist-pipeline --version` and the entrypoint's default `dvc repro` on a small
+#      slice of MNIST, both self-contained (the repo baked in, no git) and with a copy of the repo
+#      mounted over /workspace as a non-root uid, as `docker run --user $(id -u):$(id -g) -v "$PWD":/workspace`.
 # Everything lives under IMAGE_CHECK_DIR (default /var/tmp/mnist-image-check); the base is reused.
 # Needs root (buildah with vfs), Debian's package mirror, and MNIST_SOURCE (default: ../shared/data/mnist).
 set -euo pipefail
@@ -59,20 +59,30 @@ ctr=$(bah from "$image")
 trap 'bah rm "$ctr" >/dev/null 2>&1 || true' EXIT
 bah run --isolation chroot --user 1000:1000 "$ctr" -- entrypoint mnist-pipeline --version
 
+small_params() {  # params.yaml for a small slice: seconds per stage on a CPU
+    "$root/.venv/bin/python" - "$1" "$2" <<'EOF'
+import sys, yaml
+params = yaml.safe_load(open(sys.argv[1]))
+params["data"].update(train_limit=1100, val_size=100)
+params["commcheck"].update(max_bytes=65536, iters=3)
+params["train"].update(batch_size=100, nproc=2)
+yaml.safe_dump(params, open(sys.argv[2], "w"), sort_keys=False)
+EOF
+}
+
+step "self-contained, non-root uid 1000: entrypoint default (dvc repro without git) on a small slice"
+small_params params.yaml "$work/small-params.yaml"
+chmod 0644 "$work/small-params.yaml"
+bah run --isolation chroot --user 1000:1000 -v "$work/small-params.yaml:/workspace/params.yaml:ro" \
+    -v "$mnist:/mnist:ro" -e MNIST_SOURCE=/mnist "$ctr" -- entrypoint
+bah run --isolation chroot --user 1000:1000 "$ctr" -- test -s /workspace/reports/comparison.md
+
 step "mounted checkout, non-root uid 1000: entrypoint default (dvc repro) on a small slice"
 checkout="$work/checkout"
 rm -rf "$checkout"
 mkdir -p "$checkout"
 git ls-files -z | xargs -0 cp --parents -t "$checkout"
-"$root/.venv/bin/python" - "$checkout/params.yaml" <<'EOF'
-import sys, yaml
-path = sys.argv[1]
-params = yaml.safe_load(open(path))
-params["data"].update(train_limit=1100, val_size=100)
-params["commcheck"].update(max_bytes=65536, iters=3)
-params["train"].update(batch_size=100, nproc=2)
-yaml.safe_dump(params, open(path, "w"), sort_keys=False)
-EOF
+small_params params.yaml "$checkout/params.yaml"
 git -C "$checkout" init -q
 git -C "$checkout" add -A
 git -C "$checkout" -c user.name=check -c user.email=check@localhost commit -qm "image check"

@@ -99,3 +99,20 @@ def test_a_broken_interconnect_stops_dvc_repro_before_training(tmp_path, mnist_d
     assert "broadcast failed on" in result.stderr
     assert "Running stage 'train@" not in result.stdout
     assert not (project / "models").exists()
+
+
+def test_commcheck_run_has_a_child_per_rank_with_its_timings(project):
+    from mlflow import MlflowClient
+
+    commcheck(project, 2)
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    parent = client.search_runs(experiments, "attributes.run_name = 'commcheck'", order_by=["start_time DESC"])[0]
+    assert parent.info.status == "FINISHED" and parent.data.tags["backend"] == "gloo"
+    busbw = client.get_metric_history(parent.info.run_id, "all_reduce_busbw_gbps")
+    assert [m.step for m in busbw] == sizes(4, 4096, 4)  # the x axis is the message size in bytes
+    children = client.search_runs(experiments, f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert sorted(c.info.run_name for c in children) == ["commcheck/rank-0", "commcheck/rank-1"]
+    for child in children:
+        for primitive in PRIMITIVES:
+            assert client.get_metric_history(child.info.run_id, f"{primitive}_time_us"), primitive

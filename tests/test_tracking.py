@@ -146,3 +146,16 @@ def test_killed_training_ends_failed(tmp_path, mnist_dir, mode):
     assert len(runs) == 1 + (2 if mode == "ddp" else 1)
     statuses = {r.info.run_name: r.info.status for r in runs}
     assert set(statuses.values()) == {"FAILED"}, (statuses, stderr[-3000:])
+
+
+def test_a_resumed_training_continues_the_same_runs(tmp_path, mnist_dir):
+    project = project_with(tmp_path, mnist_dir, "resume")
+    crashed = run(["mnist-pipeline", "train", "--mode", "single"], project, check=False,
+                  **project_env(project, MNIST_PIPELINE_CRASH_AFTER_EPOCH="1"))
+    assert crashed.returncode == 75
+    run(["mnist-pipeline", "train", "--mode", "single", "--resume"], project, **project_env(project))
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    parent, children = runs_of(client, project, "single")
+    experiment_runs = client.search_runs([parent.info.experiment_id])
+    assert len(experiment_runs) == 2  # the one parent and its one child, continued, not doubled
+    check_structure(client, project, "single", 1)
