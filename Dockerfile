@@ -32,8 +32,10 @@ RUN pip install --no-cache-dir -r /tmp/requirements.txt
 WORKDIR /workspace
 COPY --chown=1000:1000 . /workspace
 # Editable: with the repository mounted over /workspace, the mounted code is what runs.
+# The folder itself (made by WORKDIR as root) must be the user's too: stages create data/, models/...
 RUN pip install --no-cache-dir --no-deps -e /workspace \
-    && install -m 0755 docker/entrypoint.sh /usr/local/bin/entrypoint
+    && install -m 0755 docker/entrypoint.sh /usr/local/bin/entrypoint \
+    && chown 1000:1000 /workspace
 
 USER 1000:1000
 ENTRYPOINT ["entrypoint"]
