@@ -14,6 +14,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from pipeline.errors import PipelineError
+
+
+def _make_parent(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(path.parent, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as exc:
+        raise PipelineError(
+            f"{path}: cannot write into {path.parent} ({exc.strerror}); run from a folder you can write to, "
+            "or fix its permissions"
+        ) from None
+
 
 def _umask() -> int:
     mask = os.umask(0)
@@ -25,7 +39,7 @@ def _umask() -> int:
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success it replaces `path`, on error it vanishes."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp)
@@ -42,7 +56,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yield an empty temporary folder that replaces the folder `path` once the block succeeds."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700
     try:

@@ -125,3 +125,21 @@ def test_prepare_cli_missing_source_folder(tmp_path, monkeypatch):
     params.write_text("{}\n")
     result = CliRunner().invoke(main, ["prepare", "--params", str(params), "--out", str(tmp_path / "out")])
     assert result.exit_code == 1 and "no such folder" in result.output
+
+
+def test_prepare_into_an_unwritable_folder_is_a_clear_error(tmp_path, monkeypatch):
+    import os
+
+    if os.geteuid() == 0:
+        # root writes anywhere; a read-only file in the way makes the parent impossible instead
+        (tmp_path / "blocked").write_text("")
+        out = tmp_path / "blocked" / "prepared"
+    else:
+        (tmp_path / "ro").mkdir(mode=0o500)
+        out = tmp_path / "ro" / "prepared"
+    folder = write_tiny_mnist(tmp_path / "src")
+    params = tmp_path / "params.yaml"
+    params.write_text("data: {verify_checksums: false, val_size: 10}\n")
+    monkeypatch.setenv("MNIST_SOURCE", str(folder))
+    result = CliRunner().invoke(main, ["prepare", "--params", str(params), "--out", str(out)])
+    assert result.exit_code == 1 and "cannot write into" in result.output and "Traceback" not in result.output
