@@ -1,4 +1,5 @@
-"""Per-epoch checkpoints, written atomically, and the check that a resume continues the same run."""
+"""Per-epoch checkpoints (the loop writes them atomically) and the check that a resume continues
+the same run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from typing import Any
 
 import torch
 
-from pipeline.atomic import save_torch
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
 
@@ -22,10 +22,6 @@ TRAJECTORY_KEYS = ("model", "epochs", "batch_size", "lr", "weight_decay", "seed"
 def trajectory(config: TrainConfig, mode: str) -> dict[str, Any]:
     settings = asdict(config)
     return {"mode": mode, **{key: settings[key] for key in TRAJECTORY_KEYS}}
-
-
-def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    save_torch(path, state)
 
 
 def load_checkpoint(path: Path, expected: dict[str, Any]) -> dict[str, Any]:
@@ -44,8 +40,3 @@ def load_checkpoint(path: Path, expected: dict[str, Any]) -> dict[str, Any]:
             "restore them or train from scratch without --resume"
         )
     return state
-
-
-def checkpoint_extra(path: Path) -> dict[str, Any]:
-    """The small values a checkpoint carries besides the training state (tracking run ids)."""
-    return torch.load(path, map_location="cpu", weights_only=False).get("extra", {}) if path.is_file() else {}

@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
-from pipeline.checkpoint import CHECKPOINT_FILE, load_checkpoint, save_checkpoint, trajectory
+from pipeline.atomic import save_torch
+from pipeline.checkpoint import CHECKPOINT_FILE, trajectory
 from pipeline.config import TrainConfig
 from pipeline.model import build_model
 from pipeline.parallel import (
@@ -157,7 +158,8 @@ class Training:
     rank: Rank
     device: torch.device
     out_dir: Path
-    resume: bool = False
+    # A checkpoint to continue from (checkpoint.load_checkpoint), or None to start afresh.
+    resume_state: dict[str, Any] | None = None
     # Called on every rank after each epoch with (global metrics, this rank's metrics).
     epoch_hooks: list[Callable[[dict, dict], None]] = field(default_factory=list)
     # Small values carried in the checkpoint (tracking run ids), so a resume continues them.
@@ -217,11 +219,10 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
     model, wrapped, optimizer, scheduler = build(config, config.epochs * steps, device, run.mode)
     autocast = autocast_for(device, config)
     checkpoint_path = run.out_dir / CHECKPOINT_FILE
-    expected = trajectory(config, run.mode)
 
     start_epoch, history = 0, []
-    if run.resume:
-        state = load_checkpoint(checkpoint_path, expected)
+    if run.resume_state is not None:
+        state = run.resume_state
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -283,13 +284,13 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         history.append(metrics)
         if rank.is_main:
             report_epoch(run.mode, config.epochs, metrics)
-            save_checkpoint(checkpoint_path, {
+            save_torch(checkpoint_path, {
                 "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict(),
                 "epoch": epoch + 1,
                 "history": history,
-                "trajectory": expected,
+                "trajectory": trajectory(config, run.mode),
                 "extra": run.extra_state,
             })
         for hook in run.epoch_hooks:

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sqlite3
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from contextlib import closing
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from pipeline.config import TrackingConfig
 from pipeline.errors import PipelineError
@@ -76,20 +77,17 @@ def git_facts() -> dict[str, str]:
     return {"git_commit": commit or "unknown", "git_dirty": str(bool(dirty)).lower() if commit else "unknown"}
 
 
-def _metrics(values: dict[str, Any], step: int) -> list:
-    """The numeric entries of `values` as metrics at `step` (lists, like per-rank checksums, are not)."""
+def _metric_batch(points: Iterable[tuple[str, float, int]]) -> list:
+    """(key, value, step) triples as MLflow metrics, all stamped now."""
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    return [Metric(k, float(v), now, step) for k, v in values.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return [Metric(key, float(value), now, step) for key, value, step in points]
 
 
-def _metrics_series(key: str, points: Iterable[tuple[int, float]]) -> list:
-    from mlflow.entities import Metric
-
-    now = int(time.time() * 1000)
-    return [Metric(key, float(value), now, step) for step, value in points]
+def _numeric(values: dict[str, Any], step: int) -> list[tuple[str, float, int]]:
+    """The numeric entries of `values` at `step` (lists, like per-rank checksums, are not metrics)."""
+    return [(k, v, step) for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
 
 
 def _as_params(flat: dict[str, Any]) -> list:
@@ -120,22 +118,16 @@ class ModeRun:
     def log_epoch(self, metrics: dict, rank_metrics: dict) -> None:
         """The training loop's epoch hook: one batch per run per epoch."""
         step = metrics["epoch"]
-        if self.rank.is_main:
-            values = {k: v for k, v in metrics.items() if k != "epoch"}  # the step already says it
-            self._client.log_batch(self.parent_id, metrics=_metrics(values, step))
-        batch = _metrics(rank_metrics, step)
-        batch += _metrics_series("step_loss", rank_metrics.get("step_losses", ()))
-        self._client.log_batch(self.child_id, metrics=batch)
+        parent = _numeric({k: v for k, v in metrics.items() if k != "epoch"}, step)  # the step says it
+        own = _numeric(rank_metrics, step) + [("step_loss", v, s) for s, v in rank_metrics.get("step_losses", ())]
+        self.log_points(parent, own)
 
     def log_points(self, parent_points: Iterable[tuple[str, float, int]],
                    rank_points: Iterable[tuple[str, float, int]]) -> None:
         """(key, value, step) series in one batch per run: the parent's from rank 0, and this rank's."""
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
         if self.rank.is_main:
-            self._client.log_batch(self.parent_id, metrics=[Metric(k, float(v), now, s) for k, v, s in parent_points])
-        self._client.log_batch(self.child_id, metrics=[Metric(k, float(v), now, s) for k, v, s in rank_points])
+            self._client.log_batch(self.parent_id, metrics=_metric_batch(parent_points))
+        self._client.log_batch(self.child_id, metrics=_metric_batch(rank_points))
 
     def log_rank_artifacts(self, paths: Iterable[Path]) -> None:
         for path in paths:
@@ -242,6 +234,35 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
     return ModeRun(config, rank, uri, experiment_id, parent_id, child_id, children, monitor, client)
 
 
+class _SigtermGuard:
+    """SIGTERM (torchrun stopping a worker, a scheduler's pre-emption) unwinds like an error. Once
+    the runs are being ended, a late signal is ignored: it would cut short the very code that
+    records how they ended."""
+
+    def __init__(self) -> None:
+        self.ending = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if not self.ending:
+            raise SystemExit(128 + signum)
+
+
+@contextmanager
+def until_done(runs: ModeRun | Untracked) -> Iterator[None]:
+    """Ends `runs` FINISHED when the block completes, FAILED on any error, Ctrl-C or SIGTERM, so
+    no run is ever left RUNNING by a process that is gone."""
+    guard = _SigtermGuard()
+    try:
+        yield
+    except BaseException:
+        guard.ending = True
+        runs.end("FAILED")
+        raise
+    guard.ending = True
+    runs.end("FINISHED")
+
+
 class Untracked:
     """Stands in for a ModeRun when tracking.enabled is false, so callers need no branches."""
 
@@ -271,7 +292,7 @@ def log_to_mode_run(config: TrackingConfig, ids: dict, metrics: dict[str, float]
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri())
-    client.log_batch(ids["parent"], metrics=_metrics(metrics, step=0))
+    client.log_batch(ids["parent"], metrics=_metric_batch(_numeric(metrics, step=0)))
     for path in artifacts:
         client.log_artifact(ids["parent"], str(path), artifact_dir)
 
@@ -292,7 +313,7 @@ def log_compare_run(config: TrackingConfig, mode_ids: dict[str, dict], metrics: 
     tags.update({"mlflow.note.content": f"Compares the mode runs: {links}", **git_facts()})
     run_id = client.create_run(experiment_id, run_name="compare", tags=tags).info.run_id
     try:
-        client.log_batch(run_id, metrics=_metrics(metrics, step=0))
+        client.log_batch(run_id, metrics=_metric_batch(_numeric(metrics, step=0)))
         for path in artifacts:
             client.log_artifact(run_id, str(path))
     except BaseException:

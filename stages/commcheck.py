@@ -9,7 +9,8 @@ from pipeline import comm, parallel, tracking
 from pipeline.atomic import write_json
 from pipeline.config import Config, flatten, load_config
 from pipeline.errors import PipelineError
-from stages.common import launch_workers, params_option
+from stages.common import params_option
+from stages.workers import launch_workers, run_facts
 
 METRICS_FILE = Path("metrics/comm.json")
 # What training depends on: the verdict alone, which stays the same run after run (timings do not),
@@ -47,11 +48,10 @@ def run_worker(config: Config) -> None:
     if config.tracking.enabled and rank.is_main:
         tracking.check_store(tracking.tracking_uri())
     with parallel.process_group(rank, device):
-        tags = {"mode": "commcheck", "world_size": str(rank.world_size), "backend": backend,
-                "device_type": device.type, "device_name": parallel.device_name(device)}
         params = {k: v for k, v in flatten(config).items() if k.startswith("commcheck.")}
-        runs = tracking.start_mode_run(config.tracking, "commcheck", rank, tags, params)
-        try:
+        runs = tracking.start_mode_run(config.tracking, "commcheck", rank,
+                                       run_facts("commcheck", rank, device, distributed=True), params)
+        with tracking.until_done(runs):
             mine = comm.sweep(rank, device, config.commcheck)
             per_rank = parallel.all_gather_objects(mine, rank)
             rows = comm.summarize(per_rank, rank.world_size)
@@ -73,10 +73,6 @@ def run_worker(config: Config) -> None:
                                           "primitives": list(comm.PRIMITIVES)})
                 click.echo(f"commcheck: all {len(comm.PRIMITIVES)} primitives passed on {rank.world_size} ranks "
                            f"({backend})")
-        except BaseException:
-            runs.end("FAILED")
-            raise
-        runs.end("FINISHED")
 
 
 @click.command()

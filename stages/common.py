@@ -1,11 +1,9 @@
-"""Options and steps every stage shares."""
+"""What every stage shares: the params option and where each mode's outputs live."""
 
-import sys
+import json
+from pathlib import Path
 
 import click
-
-from pipeline import parallel
-from pipeline.config import Config
 
 params_option = click.option(
     "--params",
@@ -17,8 +15,16 @@ params_option = click.option(
 )
 
 
-def launch_workers(config: Config, command: list[str]) -> None:
-    """Run `mnist-pipeline <command>` as one worker per device, as torchrun would."""
-    nproc = config.train.nproc or parallel.default_nproc()
-    click.echo(f"{command[0]}: launching {nproc} workers")
-    parallel.launch_workers(nproc, [sys.executable, "-m", "pipeline", *command])
+def model_dir(mode: str) -> Path:
+    return Path("models") / mode
+
+
+def run_ids_file(mode: str) -> Path:
+    """The ids of the MLflow runs a mode's training made, so evaluate and compare log into them."""
+    return model_dir(mode) / "mlflow_run.json"
+
+
+def read_run_ids(mode: str) -> dict:
+    """{} when the mode was trained with tracking off (or before tracking existed)."""
+    path = run_ids_file(mode)
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -10,8 +10,7 @@ from pipeline.atomic import atomic_dir
 from pipeline.config import load_config
 from pipeline.errors import PipelineError
 from pipeline.report import ModeResult, comparison_rows, markdown, read_curves, throughput_png, val_loss_png
-from stages.common import params_option
-from stages.train import RUN_FILE, model_dir
+from stages.common import params_option, read_run_ids
 
 
 def read_json(path: Path) -> dict:
@@ -44,10 +43,7 @@ def compare(params_path: str, out: str) -> None:
         val_loss_png(results, tmp / "val_loss.png")
     files = [Path(out) / name for name in ("comparison.md", "throughput.png", "val_loss.png")]
 
-    mode_ids = {}
-    for r in results:
-        run_file = model_dir(r.mode) / RUN_FILE
-        mode_ids[r.mode] = json.loads(run_file.read_text()) if run_file.is_file() else {}
+    mode_ids = {r.mode: read_run_ids(r.mode) for r in results}
     metrics = {}
     for row in rows:
         metrics[f"{row['mode']}_samples_per_s"] = row["samples_per_s"]

@@ -3,7 +3,6 @@
 
 import csv
 import io
-import json
 from pathlib import Path
 
 import click
@@ -16,8 +15,7 @@ from pipeline.config import MODES, load_config
 from pipeline.evaluation import confusion_png, evaluate_model, load_trained_model
 from pipeline.loop import to_device
 from pipeline.prepared import load_split
-from stages.common import params_option
-from stages.train import RUN_FILE, model_dir
+from stages.common import model_dir, params_option, read_run_ids
 
 
 def predictions_csv(actual: torch.Tensor, predicted: torch.Tensor) -> str:
@@ -50,9 +48,7 @@ def evaluate(params_path: str, mode: str, data_dir: str) -> None:
     with atomic_path(png) as tmp:
         confusion_png(result.confusion, f"{mode}: test accuracy {result.accuracy:.2%}", tmp)
 
-    run_file = model_dir(mode) / RUN_FILE
-    ids = json.loads(run_file.read_text()) if run_file.is_file() else {}
     per_class = {f"test_accuracy_class_{c}": acc for c, acc in enumerate(result.per_class_accuracy)}
-    tracking.log_to_mode_run(config.tracking, ids, {"test_accuracy": result.accuracy, "test_loss": result.loss,
-                                                   **per_class}, [png], "evaluation")
+    metrics = {"test_accuracy": result.accuracy, "test_loss": result.loss, **per_class}
+    tracking.log_to_mode_run(config.tracking, read_run_ids(mode), metrics, [png], "evaluation")
     click.echo(f"{mode}: test accuracy {result.accuracy:.2%}, loss {result.loss:.4f} on {len(test)} images")

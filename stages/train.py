@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import logging
-import signal
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -14,20 +13,16 @@ import torch
 
 from pipeline import parallel, tracking
 from pipeline.atomic import save_torch, write_json, write_text
-from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, checkpoint_extra
+from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, load_checkpoint, trajectory
 from pipeline.config import MODES, Config, flatten, load_config
 from pipeline.loop import Training, to_device
 from pipeline.loop import train as train_model
 from pipeline.prepared import Split, load_prepared, load_stats
-from stages.common import launch_workers, params_option
+from stages.common import model_dir, params_option, run_ids_file
+from stages.workers import launch_workers, run_facts
 
 log = logging.getLogger(__name__)
-RUN_FILE = "mlflow_run.json"  # the mode's run ids, for evaluate and compare to log into
 CURVE_COLUMNS = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
-
-
-def model_dir(mode: str) -> Path:
-    return Path("models") / mode
 
 
 def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: list[dict]) -> dict:
@@ -68,35 +63,8 @@ def attach_rank_log(path: Path) -> Path:
     return path
 
 
-class Shutdown:
-    """SIGTERM (torchrun stopping a worker, a scheduler's pre-emption) unwinds like an error, so the
-    MLflow runs end FAILED instead of staying RUNNING forever. Once the runs are being ended, a
-    late signal is ignored: it would cut short the very code that records the failure."""
-
-    def __init__(self) -> None:
-        self.ending = False
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if not self.ending:
-            raise SystemExit(128 + signum)
-
-
-def run_facts(mode: str, rank: parallel.Rank, device: torch.device) -> dict[str, str]:
-    return {
-        "mode": mode,
-        "world_size": str(rank.world_size),
-        "backend": parallel.backend_for(device) if mode == "ddp" else "none",
-        "device_type": device.type,
-        "device_name": parallel.device_name(device),
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda or "none",
-    }
-
-
 def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, resume: bool) -> None:
     """Train in this process: the whole job for single and dp, one rank's share for ddp."""
-    shutdown = Shutdown()
     rank = parallel.rank_from_env()
     if not rank.is_main:
         for handler in logging.getLogger().handlers:  # other ranks speak only when something fails
@@ -121,21 +89,18 @@ def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, res
 
         params = {**flatten(config), "world_size": rank.world_size,
                   "per_rank_batch_size": parallel.per_rank_batch(config.train.batch_size, rank.world_size)}
-        previous = checkpoint_extra(checkpoint).get("mlflow") if resume else None
-        runs = tracking.start_mode_run(config.tracking, mode, rank, run_facts(mode, rank, device), params, previous)
-        run = Training(config.train, mode, rank, device, out, resume=resume, epoch_hooks=[runs.log_epoch],
+        # Read once: the loop continues from it, tracking reopens the runs it names.
+        state = load_checkpoint(checkpoint, trajectory(config.train, mode)) if resume else None
+        facts = run_facts(mode, rank, device, distributed=mode == "ddp")
+        runs = tracking.start_mode_run(config.tracking, mode, rank, facts, params,
+                                       state.get("extra", {}).get("mlflow") if state else None)
+        run = Training(config.train, mode, rank, device, out, resume_state=state, epoch_hooks=[runs.log_epoch],
                        extra_state={"mlflow": runs.ids}, log_every_n_steps=config.tracking.log_every_n_steps)
-        try:
+        with tracking.until_done(runs):
             model, history = train_model(run, train_split, val_split)
             if rank.is_main:
                 write_outputs(config, params_path, mode, rank, device, model, history, data, runs)
             runs.log_rank_artifacts([rank_log])
-        except BaseException:
-            shutdown.ending = True
-            runs.end("FAILED")
-            raise
-        shutdown.ending = True
-        runs.end("FINISHED")
 
 
 def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.Rank, device: torch.device,
@@ -150,7 +115,7 @@ def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.R
     })
     write_json(Path("metrics/train") / f"{mode}.json", summarize(config, mode, rank, device, history))
     write_text(curves, curves_csv(history))
-    write_json(out / RUN_FILE, runs.ids)
+    write_json(run_ids_file(mode), runs.ids)
     example = to_device(Split(data.splits["val"].images[:4], data.splits["val"].labels[:4]),
                         data.mean, data.std, torch.device("cpu")).images
     runs.finish_parent(model, example, [out / CHECKPOINT_FILE, curves, params_path])
