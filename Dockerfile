@@ -1,7 +1,8 @@
 # The pipeline on NVIDIA GPUs: `docker run --gpus all --ipc=host IMAGE` runs `dvc repro`.
-# torch's wheels bring their own CUDA libraries; the base brings the CUDA user-space setup and the
-# environment the NVIDIA container toolkit reads. BASE_IMAGE names the CUDA release and Ubuntu.
-ARG BASE_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
+# The -base flavour of the CUDA image: the CUDA compat libraries and the environment the NVIDIA
+# container toolkit reads, and no CUDA libraries. torch's wheels bring their own (cuBLAS, cuDNN,
+# NCCL, ... as nvidia-* packages), so -runtime would only add second copies of them.
+ARG BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04
 FROM ${BASE_IMAGE}
 
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -12,7 +13,10 @@ ENV DEBIAN_FRONTEND=noninteractive \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
-# Versions come with the base image's release; the Python packages below are pinned exactly.
+# Versions come with the base image's release; the Python packages below are locked with hashes.
+# Ubuntu 23.04 and newer ship a user `ubuntu` with uid and gid 1000, the ids a host user usually
+# has: whoever holds them makes way for `trainer`, so files written into a mounted checkout are the
+# host user's.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv git ca-certificates \
@@ -20,22 +24,26 @@ RUN apt-get update \
     # DVC refuses a repository owned by another uid: a mounted checkout usually is.
     && git config --system --add safe.directory '*' \
     && python3 -m venv "$VIRTUAL_ENV" \
-    && useradd --create-home --uid 1000 trainer
+    && if user=$(id -nu 1000 2>/dev/null); then userdel --remove "$user"; fi \
+    && if group=$(getent group 1000); then groupdel "${group%%:*}"; fi \
+    && groupadd --gid 1000 trainer \
+    && useradd --create-home --uid 1000 --gid 1000 trainer
 
-# Requirements before the source, so editing code does not reinstall torch.
+# The lock before the source, so editing code does not reinstall torch.
 # For builds behind a local package index or a TLS-intercepting proxy (scripts/image-check.sh):
 ARG PIP_EXTRA_INDEX_URL=""
 ARG PIP_CERT=""
-COPY requirements.txt /tmp/requirements.txt
-RUN pip install --no-cache-dir -r /tmp/requirements.txt
+COPY requirements.lock /tmp/requirements.lock
+RUN pip install --no-cache-dir --require-hashes -r /tmp/requirements.lock
 
 WORKDIR /workspace
 COPY --chown=1000:1000 . /workspace
 # Editable: with the repository mounted over /workspace, the mounted code is what runs.
 # The folder itself (made by WORKDIR as root) must be the user's too: stages create data/, models/...
-RUN pip install --no-cache-dir --no-deps -e /workspace \
+RUN pip install --no-cache-dir --no-deps --no-build-isolation -e /workspace \
     && install -m 0755 docker/entrypoint.sh /usr/local/bin/entrypoint \
     && chown 1000:1000 /workspace
 
 USER 1000:1000
+# The entrypoint runs dumb-init as PID 1, so `docker stop` ends a run cleanly (docker/entrypoint.sh).
 ENTRYPOINT ["entrypoint"]

@@ -6,15 +6,32 @@ STAMP := $(VENV)/.installed
 # DVC stages call `mnist-pipeline`, so the venv's bin must come first on PATH.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: install run test ui lint image-check clean
+.PHONY: install lock run test ui lint image-check gpu-check clean
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-dev.txt pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+# Exactly the locked environment, every package checked against its hash: a new lock gets a new
+# venv, so nothing a previous lock installed stays behind.
+$(VENV)/.locked: requirements-dev.lock
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --require-hashes -r requirements-dev.lock
+	touch $@
+
+$(STAMP): $(VENV)/.locked pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $@
+
+# Regenerates the locks from the direct requirements (requirements*.txt): the image installs
+# requirements.lock, the venv requirements-dev.lock, which is seeded from it so both pin the same
+# versions. Add --upgrade to PIP_COMPILE_ARGS to move every transitive pin to its newest release.
+PIP_COMPILE_ARGS ?=
+PIP_COMPILE := $(BIN)/pip-compile --quiet --generate-hashes --allow-unsafe --strip-extras \
+	--no-emit-index-url --no-emit-find-links $(PIP_COMPILE_ARGS)
+lock: install
+	$(PIP_COMPILE) --output-file requirements.lock requirements.txt
+	cp requirements.lock requirements-dev.lock
+	$(PIP_COMPILE) --output-file requirements-dev.lock requirements-dev.txt
 
 run: install
 	dvc repro
@@ -28,6 +45,10 @@ lint: install
 # Builds the Docker image from a local stand-in base and runs the pipeline in it (root, minutes).
 image-check: install
 	bash scripts/image-check.sh
+
+# On a host with NVIDIA GPUs: the CUDA tests, then the default pipeline with time to 99%, in one table.
+gpu-check: install
+	$(BIN)/python scripts/gpu_check.py
 
 # The MLflow UI on the default store (SQLite file + ./mlartifacts): http://127.0.0.1:5000
 ui: install

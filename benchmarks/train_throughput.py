@@ -94,8 +94,7 @@ def full_default_run(rank: parallel.Rank, config, splits: dict[str, Split], mean
     data = {name: to_device(split, mean, std, device) for name, split in splits.items()}
     mode = "ddp" if rank.world_size > 1 else "single"
     model, history = train(Training(config, mode, rank, device, out), data["train"], data["val"])
-    sums = evaluate(model, data["test"], torch.arange(len(data["test"])), config.eval_batch_size,
-                    torch.autocast("cpu", enabled=False))
+    sums = evaluate(model, data["test"], torch.arange(len(data["test"])), config.eval_batch_size)
     return sum(m["train_time_s"] for m in history), (sums[1] / sums[2]).item()
 
 
@@ -104,7 +103,7 @@ def worker(local_rank: int, world_size: int, port: int, job: str, args: tuple, r
         os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     rank = parallel.rank_from_env()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(max(1, parallel.available_cpus() // world_size))
     job_fn = {"conventional": conventional, "ours": ours, "full": full_default_run}[job]
     if world_size == 1:
         results.put(job_fn(rank, *args))
@@ -145,7 +144,7 @@ def main() -> None:
     n = args.steps * config.train.batch_size
     bench_train = Split(train_split.images[:n], train_split.labels[:n])
     tiny_val = Split(val_split.images[:500], val_split.labels[:500])
-    cpus = os.cpu_count()
+    cpus = parallel.available_cpus()
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -16,4 +16,13 @@ if [ "$#" -eq 0 ]; then
     fi
     set -- dvc repro
 fi
+
+# `docker stop` sends SIGTERM to PID 1, which the kernel does not deliver to a process that has no
+# handler for it, so a run exec'd as PID 1 is SIGKILLed after the grace period with its MLflow runs
+# left RUNNING. dumb-init, as PID 1, forwards the signal to the run's whole process group, as Ctrl-C
+# (SIGINT): `dvc repro` dies at once on SIGTERM but on Ctrl-C waits for its stage, which ends its
+# runs FAILED; PID 1 must outlive them, as leaving the PID namespace kills whatever is left in it.
+if command -v dumb-init >/dev/null 2>&1; then
+    exec dumb-init --rewrite 15:2 -- "$@"
+fi
 exec "$@"

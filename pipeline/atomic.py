@@ -6,6 +6,7 @@ file system is atomic, so readers see the old output or the new one, never a mix
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -17,16 +18,26 @@ from typing import Any, Iterator
 from pipeline.errors import PipelineError
 
 
-def _make_parent(path: Path) -> None:
+def writable_folder(folder: str | Path) -> Path:
+    """`folder`, made if need be; an error naming it unless files can be written there (a stage
+    checks its output folders before it works, not after)."""
+    folder = Path(folder)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(path.parent, os.W_OK):
-            raise PermissionError(13, "Permission denied")
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            if os.statvfs(folder).f_flag & os.ST_RDONLY:
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
     except OSError as exc:
         raise PipelineError(
-            f"{path}: cannot write into {path.parent} ({exc.strerror}); run from a folder you can write to, "
+            f"{folder}: cannot write into it ({exc.strerror}); run from a folder you can write to, "
             "or fix its permissions"
         ) from None
+    return folder
+
+
+def _make_parent(path: Path) -> None:
+    writable_folder(path.parent)
 
 
 def _umask() -> int:
@@ -35,12 +46,27 @@ def _umask() -> int:
     return mask
 
 
+def write_failed(path: Path, reason: str) -> PipelineError:
+    """The error for an output that could not be written: which file, why, and what is left."""
+    try:
+        free = f"; {shutil.disk_usage(path.parent).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        free = ""
+    left = f"the previous {path.name} is intact" if path.exists() else "nothing was left behind"
+    return PipelineError(f"{path}: could not be written ({reason}{free}); {left}. Free disk space or fix "
+                         "the folder's permissions, then run again")
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success it replaces `path`, on error it vanishes."""
+    """Yield a temporary path beside `path`; on success it replaces `path`, on error it vanishes
+    and `path` keeps what it held."""
     path = Path(path)
     _make_parent(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise write_failed(path, exc.strerror) from None
     os.close(fd)
     tmp = Path(tmp)
     # mkstemp creates 0600; outputs get the permissions a plain open() would have given them.
@@ -48,6 +74,8 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     try:
         yield tmp
         os.replace(tmp, path)
+    except OSError as exc:  # a full disk, most often
+        raise write_failed(path, exc.strerror or str(exc)) from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -83,8 +111,29 @@ def write_text(path: str | Path, text: str) -> None:
         tmp.write_text(text)
 
 
+def portable(obj: Any) -> Any:
+    """`obj` with every tensor on the CPU and contiguous: a file written on a GPU, or from
+    channels_last weights, then loads anywhere, in the standard layout, with weights_only=True."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().contiguous()
+    if isinstance(obj, dict):
+        copy = type(obj)((key, portable(value)) for key, value in obj.items())
+        if hasattr(obj, "_metadata"):  # a state_dict's per-module versions, which load_state_dict reads
+            copy._metadata = obj._metadata
+        return copy
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(portable(value) for value in obj)
+    return obj
+
+
 def save_torch(path: str | Path, obj: Any) -> None:
+    """torch.save of `obj` made portable: loadable on any machine with torch.load(weights_only=True)."""
     import torch
 
     with atomic_path(path) as tmp:
-        torch.save(obj, tmp)
+        try:
+            torch.save(portable(obj), tmp)
+        except RuntimeError as exc:  # torch's writer reports a full disk as "unexpected pos ..."
+            raise write_failed(Path(path), f"torch.save failed: {str(exc).splitlines()[0]}") from None

@@ -28,7 +28,7 @@ def load_checkpoint(path: Path, expected: dict[str, Any]) -> dict[str, Any]:
     if not path.is_file():
         raise PipelineError(f"{path}: no checkpoint to resume from; train without --resume first")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise PipelineError(f"{path}: unreadable checkpoint ({exc}); delete it and train from scratch") from None
     saved = state.get("trajectory", {})

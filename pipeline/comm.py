@@ -1,10 +1,12 @@
 """Check and time every torch.distributed primitive, on the device training will use.
 
-Each rank contributes `arange(numel) + 1000 * (rank + 1)`, so every result has a closed form
-(a sum, a gather, a neighbour's tensor) that a rank can compare with what it received without
-trusting the communication it is checking. Timings follow nccl-tests: warm-up, a device sync around
-each operation, the median of several iterations, the slowest rank's median, and the same algorithm
-and bus bandwidth conventions.
+Each rank contributes small integers that depend on its rank and the element's position, so every
+result has a closed form (a sum, a gather, a neighbour's tensor) that a rank can compare with what it
+received without trusting the communication it is checking. The integers are bounded so that any sum
+of any subset of ranks' values stays below 2**24: float32 holds every such partial sum exactly, and a
+ring, a tree or any other reduction order gives the same bits. Timings follow nccl-tests: warm-up, a
+device sync around each operation, the median of several iterations, the slowest rank's median, and
+the same algorithm and bus bandwidth conventions.
 """
 
 from __future__ import annotations
@@ -20,10 +22,13 @@ import torch.distributed as dist
 
 from pipeline.parallel import Rank
 
-PRIMITIVES = ("send_recv", "isend_irecv", "broadcast", "reduce", "all_reduce", "scatter", "gather", "all_gather",
-              "barrier")
-ELEMENT_BYTES = 4  # float32: exact for every integer value the checks produce below 2**24
-BASE = 1000.0
+PRIMITIVES = ("send_recv", "isend_irecv", "broadcast", "reduce", "all_reduce", "reduce_scatter", "scatter", "gather",
+              "all_gather", "all_to_all", "barrier")
+ELEMENT_BYTES = 4  # float32
+EXACT_LIMIT = 2**24  # float32 represents every integer up to here
+MAX_VALUE = 4096  # distinct values for up to 4096 ranks; fewer when more ranks must sum below EXACT_LIMIT
+# The ones whose per-rank buffer holds one chunk per peer: their message is the whole buffer.
+CHUNKED = ("all_gather", "gather", "scatter", "reduce_scatter", "all_to_all")
 
 
 def bus_factor(primitive: str, world_size: int) -> float:
@@ -31,15 +36,15 @@ def bus_factor(primitive: str, world_size: int) -> float:
     n = world_size
     if primitive == "all_reduce":
         return 2 * (n - 1) / n
-    if primitive in ("all_gather", "reduce_scatter", "gather", "scatter"):
+    if primitive in CHUNKED:
         return (n - 1) / n
     return 1.0  # broadcast, reduce, send/recv
 
 
 def message_bytes(primitive: str, per_rank_bytes: int, world_size: int) -> int:
-    """The size nccl-tests divides by the time: the whole gathered or scattered buffer for the
-    gather family, one rank's buffer otherwise."""
-    if primitive in ("all_gather", "gather", "scatter"):
+    """The size nccl-tests divides by the time: the whole buffer of one chunk per rank for the
+    gather, scatter and all-to-all family, one rank's buffer otherwise."""
+    if primitive in CHUNKED:
         return per_rank_bytes * world_size
     return per_rank_bytes
 
@@ -58,13 +63,26 @@ def sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     return out
 
 
-def expected_from(rank: int, numel: int, device) -> torch.Tensor:
-    """What rank `rank` contributes, computed in closed form on the receiving side."""
-    return torch.arange(numel, dtype=torch.float32, device=device) + BASE * (rank + 1)
+def value_bound(world_size: int) -> int:
+    """The largest value a rank contributes: world_size of them still sum exactly in float32."""
+    return max(1, min(MAX_VALUE, (EXACT_LIMIT - 1) // world_size))
 
 
-def contribution(primitive: str, rank: int, numel: int, device) -> torch.Tensor:
-    values = expected_from(rank, numel, device)
+def expected_from(rank: int, numel: int, device, world_size: int, offset: int = 0) -> torch.Tensor:
+    """What rank `rank` contributes at positions offset..offset+numel, computed in closed form on the
+    receiving side: integers in 1..value_bound, different for every rank (up to the bound) and along
+    the buffer, so a message from the wrong rank or at the wrong offset shows."""
+    index = torch.arange(offset, offset + numel, dtype=torch.int64, device=device)
+    return ((index * (2 * rank + 1) + rank) % value_bound(world_size) + 1).to(torch.float32)
+
+
+def total_of(numel: int, device, world_size: int, offset: int = 0) -> torch.Tensor:
+    """The sum over every rank's contribution, in float64: exact, whatever the order."""
+    return sum(expected_from(q, numel, device, world_size, offset).double() for q in range(world_size))
+
+
+def contribution(primitive: str, rank: int, numel: int, device, world_size: int) -> torch.Tensor:
+    values = expected_from(rank, numel, device, world_size)
     # Test hook: MNIST_PIPELINE_CORRUPT=<primitive>:<rank> makes that rank send wrong values, to
     # prove a broken link is caught and reported.
     if os.environ.get("MNIST_PIPELINE_CORRUPT") == f"{primitive}:{rank}":
@@ -94,26 +112,40 @@ def make_case(primitive: str, rank: Rank, numel: int, device) -> Case:
     r, n = rank.rank, rank.world_size
     state: dict = {}
 
-    def total() -> torch.Tensor:
-        return sum(expected_from(q, numel, device) for q in range(n))
+    def of(q: int, length: int = numel, offset: int = 0) -> torch.Tensor:
+        return expected_from(q, length, device, n, offset)
 
-    def fresh() -> None:
-        state["buf"] = contribution(primitive, r, numel, device)
+    def fresh(length: int = numel) -> None:
+        state["buf"] = contribution(primitive, r, length, device, n)
 
     if primitive == "broadcast":
-        return Case(fresh, lambda: dist.broadcast(state["buf"], src=0),
-                    lambda: _first_mismatch(state["buf"], expected_from(0, numel, device)))
+        return Case(fresh, lambda: dist.broadcast(state["buf"], src=0), lambda: _first_mismatch(state["buf"], of(0)))
     if primitive == "reduce":
         return Case(fresh, lambda: dist.reduce(state["buf"], dst=0),
-                    lambda: _first_mismatch(state["buf"], total()) if r == 0 else None)
+                    lambda: _first_mismatch(state["buf"], total_of(numel, device, n)) if r == 0 else None)
     if primitive == "all_reduce":
-        return Case(fresh, lambda: dist.all_reduce(state["buf"]), lambda: _first_mismatch(state["buf"], total()))
+        return Case(fresh, lambda: dist.all_reduce(state["buf"]),
+                    lambda: _first_mismatch(state["buf"], total_of(numel, device, n)))
+    if primitive == "reduce_scatter":
+        # Every rank holds one chunk per rank; rank r receives the sum of everyone's chunk r.
+        def setup() -> None:
+            fresh(numel * n)
+            state["out"] = torch.empty(numel, device=device)
+        return Case(setup, lambda: dist.reduce_scatter_tensor(state["out"], state["buf"]),
+                    lambda: _first_mismatch(state["out"], total_of(numel, device, n, offset=r * numel)))
+    if primitive == "all_to_all":
+        # Rank q's chunk r goes to rank r, which holds them in rank order.
+        def setup() -> None:
+            fresh(numel * n)
+            state["out"] = torch.empty(numel * n, device=device)
+        return Case(setup, lambda: dist.all_to_all_single(state["out"], state["buf"]),
+                    lambda: _first_mismatch(state["out"], torch.cat([of(q, offset=r * numel) for q in range(n)])))
     if primitive == "scatter":
         def setup() -> None:
             state["out"] = torch.empty(numel, device=device)
-            state["chunks"] = [contribution(primitive, q, numel, device) for q in range(n)] if r == 0 else None
+            state["chunks"] = [contribution(primitive, q, numel, device, n) for q in range(n)] if r == 0 else None
         return Case(setup, lambda: dist.scatter(state["out"], state["chunks"], src=0),
-                    lambda: _first_mismatch(state["out"], expected_from(r, numel, device)))
+                    lambda: _first_mismatch(state["out"], of(r)))
     if primitive in ("gather", "all_gather"):
         def setup() -> None:
             fresh()
@@ -127,7 +159,7 @@ def make_case(primitive: str, rank: Rank, numel: int, device) -> Case:
         def check():
             if state["out"] is None:
                 return None
-            expected = torch.cat([expected_from(q, numel, device) for q in range(n)])
+            expected = torch.cat([of(q) for q in range(n)])
             return _first_mismatch(torch.cat(state["out"]), expected)
         return Case(setup, run, check)
     if primitive in ("send_recv", "isend_irecv"):
@@ -145,7 +177,7 @@ def make_case(primitive: str, rank: Rank, numel: int, device) -> Case:
             else:
                 dist.recv(state["out"], src=left)
                 dist.send(state["buf"], dst=right)
-        return Case(setup, run, lambda: _first_mismatch(state["out"], expected_from(left, numel, device)))
+        return Case(setup, run, lambda: _first_mismatch(state["out"], of(left)))
     if primitive == "barrier":
         return Case(lambda: None, dist.barrier, lambda: None)
     raise ValueError(f"unknown primitive {primitive!r}")

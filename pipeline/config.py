@@ -8,6 +8,7 @@ the key, the value and what is allowed, so a typo in `dvc exp run -S` fails befo
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,8 @@ class CommcheckConfig:
 @dataclass(frozen=True)
 class EvaluateConfig:
     batch_size: int = field(default=2000, metadata=_at_least(1))
+    # The quality gate: a model below this test accuracy fails the evaluate stage (and dvc repro).
+    min_test_accuracy: float = field(default=0.9, metadata=_rule(lambda v: 0 <= v <= 1, "between 0 and 1"))
 
 
 SECTIONS: dict[str, type] = {"data": DataConfig, "commcheck": CommcheckConfig, "train": TrainConfig,
@@ -134,6 +137,21 @@ def _type_ok(value: Any, hint: Any) -> bool:
     raise TypeError(f"no type check for {hint!r}")
 
 
+# A number as people write it. YAML 1.1 (PyYAML) reads `1e-3` or `5e4` as strings: it wants a dot.
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _as_number(value: Any, hint: Any) -> Any:
+    """`value` as the float or int it spells when it is a string like '1e-3'; else unchanged."""
+    if hint in (int, float) and isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        number = float(value)
+        if hint is float:
+            return number
+        if number.is_integer():
+            return int(number)
+    return value
+
+
 def _type_name(hint: Any) -> str:
     if typing.get_origin(hint) is tuple:
         return f"a list of {typing.get_args(hint)[0].__name__}"
@@ -156,6 +174,7 @@ def _build_section(name: str, cls: type, raw: Any, source: str) -> Any:
     values = {}
     for key, value in raw.items():
         hint = hints[key]
+        value = _as_number(value, hint)
         if not _type_ok(value, hint):
             raise ConfigError(
                 f"{source}: {name}.{key} = {value!r} has the wrong type; allowed: {_type_name(hint)}"
@@ -184,8 +203,16 @@ def config_from_dict(raw: Any, source: str = "params.yaml") -> Config:
     return Config(**{name: _build_section(name, cls, raw.get(name), source) for name, cls in SECTIONS.items()})
 
 
+def missing_keys(raw: dict) -> list[str]:
+    """Every `section.key` the params mapping lacks: params.yaml holds every knob, so a gap means a
+    truncated or half-edited file, not a wish for the default."""
+    return [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+            if not isinstance(raw.get(name), dict) or f.name not in raw[name]]
+
+
 def load_config(path: str | Path = "params.yaml") -> Config:
-    """Read and validate params.yaml; every stage takes its settings from here."""
+    """Read and validate params.yaml, which must hold every knob; every stage takes its settings
+    from here."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -195,7 +222,16 @@ def load_config(path: str | Path = "params.yaml") -> Config:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return config_from_dict(raw, source=str(path))
+    if raw is None:
+        raise ConfigError(f"{path}: empty; it must hold every section ({', '.join(SECTIONS)}): restore it "
+                          "from git (git checkout -- params.yaml)")
+    config = config_from_dict(raw, source=str(path))  # unknown keys and bad values first
+    missing = missing_keys(raw)
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ConfigError(f"{path}: missing key '{missing[0]}'{more} (a truncated file?); params.yaml must "
+                          f"hold every knob: restore it from git or add the key")
+    return config
 
 
 def flatten(config: Config) -> dict[str, Any]:

@@ -45,7 +45,7 @@ def load_trained_model(path: Path) -> TrainedModel:
     if not path.is_file():
         raise PipelineError(f"{path}: missing; train this mode first (mnist-pipeline train, or dvc repro)")
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        saved = torch.load(path, map_location="cpu", weights_only=True)
         if saved.get("model") not in MODELS:
             raise ValueError(f"unknown architecture {saved.get('model')!r}")
         module = build_model(saved["model"])

@@ -15,7 +15,6 @@ import os
 import resource
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -26,11 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-log = logging.getLogger(__name__)
-
 from pipeline.atomic import save_torch
 from pipeline.checkpoint import CHECKPOINT_FILE, trajectory
 from pipeline.config import TrainConfig
+from pipeline.errors import PipelineError
 from pipeline.model import build_model
 from pipeline.parallel import (
     Rank,
@@ -41,7 +39,10 @@ from pipeline.parallel import (
     unwrap,
     wrap,
 )
+from pipeline.precision import autocast_dtype, with_autocast
 from pipeline.prepared import Split
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,6 @@ def epoch_order(n: int, epoch: int, seed: int, rank: Rank) -> torch.Tensor:
 
 def steps_per_epoch(n: int, global_batch: int, world_size: int) -> int:
     return math.ceil(math.ceil(n / world_size) / (global_batch // world_size))
-
-
-def autocast_for(device: torch.device, config: TrainConfig):
-    if device.type == "cuda" and config.bf16 and torch.cuda.is_bf16_supported():
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return nullcontext()
 
 
 class PhaseClock:
@@ -126,14 +121,13 @@ def weight_checksum(module: nn.Module) -> float:
 
 
 @torch.no_grad()
-def evaluate(module: nn.Module, data: DeviceSplit, indices: torch.Tensor, batch_size: int, autocast) -> torch.Tensor:
+def evaluate(module: nn.Module, data: DeviceSplit, indices: torch.Tensor, batch_size: int) -> torch.Tensor:
     """Sums of (loss, correct, count) over `indices`, as one tensor ready for all_reduce."""
     was_training = module.training
     module.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=data.labels.device)
     for idx in indices.to(data.labels.device).split(batch_size):
-        with autocast:
-            logits = module(data.images[idx])
+        logits = module(data.images[idx])
         labels = data.labels[idx]
         sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         sums[1] += (logits.argmax(1) == labels).sum()
@@ -173,18 +167,21 @@ def build(config: TrainConfig, steps: int, device: torch.device, mode: str):
     model = build_model(config.model).to(device)
     if device.type == "cuda" and config.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    wrapped = wrap(model, mode, device)
+    # Autocast inside the module that DataParallel replicates (see pipeline.precision).
+    wrapped = wrap(with_autocast(model, device, autocast_dtype(device, config.bf16)), mode, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=steps)
     return model, wrapped, optimizer, scheduler
 
 
 def run_epoch(run: Training, wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor,
-              batch: int, first_step: int, clock: PhaseClock, autocast, show_bar: bool, desc: str):
-    """One pass over this rank's indices; returns (loss sum, correct count, sampled step losses),
-    all still on the device: a .item() per step would sync every step."""
+              batch: int, first_step: int, clock: PhaseClock, show_bar: bool, desc: str):
+    """One pass over this rank's indices; returns (loss sum, correct count, first step whose loss was
+    not finite or 0, sampled step losses), all still on the device: a .item() per step would sync
+    every step."""
     device = data.labels.device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    first_bad_step = torch.zeros((), dtype=torch.int64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     step_losses = []
     wrapped.train()
@@ -193,9 +190,8 @@ def run_epoch(run: Training, wrapped: nn.Module, optimizer, scheduler, data: Dev
         clock.mark()
         images, labels = data.images[idx], data.labels[idx]
         clock.mark()
-        with autocast:
-            logits = wrapped(images)
-            loss = F.cross_entropy(logits.float(), labels)
+        logits = wrapped(images)  # in the configured precision: the model enters autocast itself
+        loss = F.cross_entropy(logits.float(), labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         clock.mark()
@@ -203,12 +199,26 @@ def run_epoch(run: Training, wrapped: nn.Module, optimizer, scheduler, data: Dev
         scheduler.step()
         clock.mark()
         loss_sum += loss.detach() * len(idx)
+        first_bad_step = torch.where((first_bad_step == 0) & ~torch.isfinite(loss.detach()), step, first_bad_step)
         correct += (logits.detach().argmax(1) == labels).sum()
         if run.log_every_n_steps and step % run.log_every_n_steps == 0:
             step_losses.append((step, loss.detach()))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the epoch's time must include its queued kernels
-    return loss_sum, correct, step_losses
+    return loss_sum, correct, first_bad_step, step_losses
+
+
+def check_finite(mode: str, epoch: int, loss_sum: torch.Tensor, first_bad_step: torch.Tensor, rank: Rank) -> None:
+    """A NaN or infinite loss means training diverged: stop with the step, not train on garbage.
+    `loss_sum` is summed over the ranks, so every rank stops at the same epoch."""
+    if math.isfinite(loss_sum.item()):
+        return
+    step = first_bad_step.item()
+    where = f"step {step}" if step else "a step of another rank"
+    raise PipelineError(
+        f"{mode}: the training loss is not finite at epoch {epoch}, {where}"
+        f"{f' (rank {rank.rank})' if rank.world_size > 1 else ''}: training diverged. Lower train.lr, "
+        "then train again from scratch (the checkpoint holds the last finite epoch)")
 
 
 def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tuple[nn.Module, list[dict]]:
@@ -217,7 +227,6 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
     batch = per_rank_batch(config.batch_size, rank.world_size)
     steps = steps_per_epoch(len(train_split), config.batch_size, rank.world_size)
     model, wrapped, optimizer, scheduler = build(config, config.epochs * steps, device, run.mode)
-    autocast = autocast_for(device, config)
     checkpoint_path = run.out_dir / CHECKPOINT_FILE
 
     start_epoch, history = 0, []
@@ -242,15 +251,16 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
                 torch.cuda.reset_peak_memory_stats(index)
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        loss_sum, correct, step_losses = run_epoch(
+        loss_sum, correct, first_bad_step, step_losses = run_epoch(
             run, wrapped, optimizer, scheduler, train_split, order, batch, first_step=epoch * steps + 1,
-            clock=clock, autocast=autocast, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}")
+            clock=clock, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}")
         train_time = time.perf_counter() - started
 
         rank_samples = len(order)
         rank_loss = loss_sum.item() / rank_samples
         train_sums = all_sum(torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples)]), rank)
-        val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size, autocast), rank)
+        check_finite(run.mode, epoch + 1, train_sums[0], first_bad_step, rank)
+        val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size), rank)
         epoch_time = time.perf_counter() - started
         # One exchange per epoch: every rank's times, and its weights' checksum to prove they agree.
         train_times, epoch_times, checksums = zip(*all_gather_objects(

@@ -4,11 +4,13 @@ a model per mode, and launching DDP workers through torchrun's own machinery."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
@@ -73,10 +75,32 @@ def pick_device(rank: Rank) -> torch.device:
     return torch.device("cuda", rank.local_rank)
 
 
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def cgroup_cpu_limit(cpu_max: Path = CGROUP_CPU_MAX) -> float | None:
+    """The CPUs a cgroup v2 quota allows (`docker run --cpus`, a Kubernetes CPU limit), or None."""
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def available_cpus() -> int:
+    """The CPUs this process may really use: its affinity (taskset, Slurm's cpusets) and its
+    cgroup quota, not the machine's count, which os.cpu_count() gives."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = cgroup_cpu_limit()
+    if limit is not None:
+        cpus = min(cpus, math.ceil(limit))
+    return max(1, cpus)
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({os.cpu_count()} cores)"
+    return f"cpu ({available_cpus()} cores)"
 
 
 def backend_for(device: torch.device) -> str:
@@ -84,8 +108,8 @@ def backend_for(device: torch.device) -> str:
 
 
 def limit_cpu_threads(rank: Rank) -> int:
-    """Share the cores between the ranks on this node so they never oversubscribe them."""
-    threads = max(1, (os.cpu_count() or 1) // rank.local_world_size)
+    """Share the usable cores between the ranks on this node so they never oversubscribe them."""
+    threads = max(1, available_cpus() // rank.local_world_size)
     torch.set_num_threads(threads)
     return threads
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import sqlite3
 import subprocess
@@ -23,6 +22,7 @@ from typing import Any, Iterable, Iterator
 
 from pipeline.config import TrackingConfig
 from pipeline.errors import PipelineError
+from pipeline.lifecycle import stop_signals_unwind
 from pipeline.parallel import Rank, all_gather_objects, broadcast_object
 
 log = logging.getLogger(__name__)
@@ -234,33 +234,22 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
     return ModeRun(config, rank, uri, experiment_id, parent_id, child_id, children, monitor, client)
 
 
-class _SigtermGuard:
-    """SIGTERM (torchrun stopping a worker, a scheduler's pre-emption) unwinds like an error. Once
-    the runs are being ended, a late signal is ignored: it would cut short the very code that
-    records how they ended."""
-
-    def __init__(self) -> None:
-        self.ending = False
-        signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if not self.ending:
-            raise SystemExit(128 + signum)
-
-
 @contextmanager
 def until_done(runs: ModeRun | Untracked) -> Iterator[None]:
     """Ends `runs` FINISHED when the block completes, FAILED on any error, Ctrl-C or SIGTERM, so
     no run is ever left RUNNING by a process that is gone."""
-    guard = _SigtermGuard()
-    try:
-        yield
-    except BaseException:
-        guard.ending = True
-        runs.end("FAILED")
-        raise
-    guard.ending = True
-    runs.end("FINISHED")
+    with stop_signals_unwind() as shield:
+        try:
+            yield
+        except BaseException:
+            shield()
+            try:
+                runs.end("FAILED")
+            except Exception as exc:  # the first error is the one to see; this one only follows
+                log.warning("could not mark the MLflow runs FAILED: %s", exc)
+            raise
+        shield()
+        runs.end("FINISHED")
 
 
 class Untracked:

@@ -1,18 +1,34 @@
 #!/usr/bin/env bash
-# Proves the Dockerfile on a machine where no registry image can be pulled (no nvidia/cuda):
-#   1. makes a stand-in base: a debootstrap'd Debian with the environment the CUDA base sets;
+# Proves the Dockerfile on a machine where no registry image can be pulled (no nvidia/cuda), and
+# runs every `docker` command the README shows (less --gpus and --ipc, which need a GPU host):
+#   1. makes a stand-in for nvidia/cuda:*-base-ubuntu24.04 (see STAND-IN below);
 #   2. builds the image from it with buildah (chroot isolation, vfs storage: no daemon needed);
-#   3. runs inside it `mnist-pipeline --version` and the entrypoint's default `dvc repro` on a small
-#      slice of MNIST, both self-contained (the repo baked in, no git) and with a copy of the repo
-#      mounted over /workspace as a non-root uid, as `docker run --user $(id -u):$(id -g) -v "$PWD":/workspace`.
-# Everything lives under IMAGE_CHECK_DIR (default /var/tmp/mnist-image-check); the base is reused.
+#   3. inside it: `mnist-pipeline --version`; the entrypoint's default `dvc repro` on a small slice
+#      of MNIST, self-contained (the repo baked in, no git) and with a checkout mounted over
+#      /workspace as a non-root uid; one stage's command on that checkout; and training that logs
+#      to an MLflow server on the host, as `--network host -e MLFLOW_TRACKING_URI=...` does.
+# Everything lives under IMAGE_CHECK_DIR (default /var/tmp/mnist-image-check); the base is reused,
+# and so is the image with IMAGE_CHECK_REUSE_IMAGE=1 (to iterate on the steps after the build).
 # Needs root (buildah with vfs), Debian's package mirror, and MNIST_SOURCE (default: ../shared/data/mnist).
+#
+# STAND-IN: what it reproduces of the real base, and what it cannot.
+#   Reproduced: a minimal distribution userland with no Python (the Dockerfile installs its own);
+#   the user `ubuntu` and group `ubuntu` with uid and gid 1000 that ubuntu:24.04 (so every
+#   nvidia/cuda:*-ubuntu24.04) ships, home /home/ubuntu; the environment the CUDA base layer sets:
+#   NVARCH, NVIDIA_REQUIRE_CUDA (its cuda>= clause), CUDA_VERSION, NVIDIA_VISIBLE_DEVICES=all,
+#   NVIDIA_DRIVER_CAPABILITIES=compute,utility, PATH with /usr/local/nvidia/bin:/usr/local/cuda/bin,
+#   LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64.
+#   Not reproduced: Ubuntu itself (Debian bookworm instead: Ubuntu's archive is not reachable here),
+#   so apt installs Python 3.11 where Ubuntu 24.04 installs 3.12; NVIDIA's apt repository and the
+#   cuda-cudart and cuda-compat packages under /usr/local/cuda (no GPU here to use them); the
+#   driver libraries the NVIDIA container toolkit mounts at run time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 work=${IMAGE_CHECK_DIR:-/var/tmp/mnist-image-check}
 mnist=$(realpath "${MNIST_SOURCE:-$root/../shared/data/mnist}")
-base=localhost/cuda-standin:bookworm
+# The tag changes whenever the stand-in's definition does, so an older stand-in is never reused.
+base=localhost/cuda-standin:13.0.1-base-ubuntu24.04-$(sed -n '/^make_base()/,/^}/p' "$0" | sha256sum | cut -c1-12)
 image=localhost/mnist-pipeline:check
 # The build uses this machine's pip setup: its extra indexes (a local wheel mirror, file://, is
 # mounted read-only at the same path) and its CA bundle (for a TLS-intercepting proxy).
@@ -20,7 +36,7 @@ pip_index=${IMAGE_CHECK_PIP_INDEX-$(python3 -m pip config get global.extra-index
 pip_cert=${IMAGE_CHECK_PIP_CERT-${PIP_CERT:-$(python3 -m pip config get global.cert 2>/dev/null || true)}}
 mounts=()
 for url in $pip_index; do
-    case $url in file://*) dir=$(dirname "${url#file://}"); mounts+=(-v "$dir:$dir:ro") ;; esac
+    case $url in file://*) dir=$(dirname "${url#file://}"); [ -d "$dir" ] && mounts+=(-v "$dir:$dir:ro") ;; esac
 done
 build_args=(--build-arg "PIP_EXTRA_INDEX_URL=$pip_index")
 if [ -n "$pip_cert" ]; then
@@ -31,69 +47,124 @@ fi
 bah() { buildah --storage-driver vfs --root "$work/storage" --runroot "$work/run" "$@"; }
 step() { printf '\n== %s (%ds)\n' "$*" "$SECONDS"; }
 
+make_base() {
+    rm -rf "$work/rootfs"
+    debootstrap --variant=minbase bookworm "$work/rootfs" http://deb.debian.org/debian >"$work/debootstrap.log"
+    # ubuntu:24.04's own user: uid and gid 1000, the ids the Dockerfile's user needs.
+    chroot "$work/rootfs" groupadd --gid 1000 ubuntu
+    chroot "$work/rootfs" useradd --create-home --uid 1000 --gid 1000 --shell /bin/bash --comment Ubuntu ubuntu
+    tar -C "$work/rootfs" -cf "$work/rootfs.tar" .
+    ctr=$(bah from scratch)
+    bah add "$ctr" "$work/rootfs.tar" /
+    # The environment the base layer of nvidia/cuda:*-base-ubuntu24.04 sets, which the NVIDIA
+    # container toolkit reads. NVIDIA_REQUIRE_CUDA keeps its `cuda>=` clause; the real one adds
+    # per-brand driver clauses that only widen it, not checked here.
+    bah config \
+        --env NVARCH=x86_64 \
+        --env "NVIDIA_REQUIRE_CUDA=cuda>=13.0" \
+        --env CUDA_VERSION=13.0.1 \
+        --env PATH=/usr/local/nvidia/bin:/usr/local/cuda/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+        --env LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64 \
+        --env NVIDIA_VISIBLE_DEVICES=all \
+        --env NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+        --label "maintainer=NVIDIA CORPORATION <cudatools@nvidia.com>" \
+        --cmd /bin/bash "$ctr"
+    bah commit --rm "$ctr" "$base"
+    rm -rf "$work/rootfs" "$work/rootfs.tar"
+}
+
 for tool in buildah debootstrap; do
     command -v "$tool" >/dev/null || { apt-get update -qq && apt-get install -y -qq "$tool"; }
 done
 mkdir -p "$work"
 
 if ! bah inspect --type image "$base" >/dev/null 2>&1; then
-    step "stand-in base: debootstrap Debian bookworm"
-    rm -rf "$work/rootfs"
-    debootstrap --variant=minbase bookworm "$work/rootfs" http://deb.debian.org/debian >"$work/debootstrap.log"
-    tar -C "$work/rootfs" -cf "$work/rootfs.tar" .
-    ctr=$(bah from scratch)
-    bah add "$ctr" "$work/rootfs.tar" /
-    # What nvidia/cuda's runtime image sets for the NVIDIA container toolkit.
-    bah config --env NVIDIA_VISIBLE_DEVICES=all --env NVIDIA_DRIVER_CAPABILITIES=compute,utility \
-        --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --cmd /bin/bash "$ctr"
-    bah commit --rm "$ctr" "$base"
-    rm -rf "$work/rootfs" "$work/rootfs.tar"
+    step "stand-in base $base: debootstrap Debian bookworm, user ubuntu (1000:1000), the CUDA base's environment"
+    make_base
 fi
+# The facts the Dockerfile depends on, checked on the stand-in as built.
+probe=$(bah from "$base")
+bah run --isolation chroot "$probe" -- sh -c \
+    'test "$(id -u ubuntu):$(id -g ubuntu)" = 1000:1000 && ! command -v python3 && test "$NVIDIA_VISIBLE_DEVICES" = all'
+bah rm "$probe" >/dev/null
 
-step "build $image FROM $base"
-bah bud --isolation chroot --layers=false --build-arg "BASE_IMAGE=$base" "${build_args[@]}" "${mounts[@]}" \
-    -t "$image" .
+if [ -n "${IMAGE_CHECK_REUSE_IMAGE:-}" ] && bah inspect --type image "$image" >/dev/null 2>&1; then
+    step "reusing $image (IMAGE_CHECK_REUSE_IMAGE): only the run steps"
+else
+    step "docker build -t mnist-pipeline .   (buildah bud FROM $base)"
+    bah bud --isolation chroot --layers=false --build-arg "BASE_IMAGE=$base" "${build_args[@]}" "${mounts[@]}" \
+        -t "$image" .
+fi
+bah images --format '{{.Name}}:{{.Tag}} {{.Size}}' | grep -E "mnist-pipeline:check|cuda-standin" || true
+bah inspect --type image --format '{{range .OCIv1.RootFS.DiffIDs}}{{.}} {{end}}' "$image" >/dev/null
 
-step "self-contained: mnist-pipeline --version"
 ctr=$(bah from "$image")
 trap 'bah rm "$ctr" >/dev/null 2>&1 || true' EXIT
+step "the image: user trainer is 1000:1000, dumb-init for PID 1, mnist-pipeline --version"
+bah run --isolation chroot --user 1000:1000 "$ctr" -- sh -c \
+    'test "$(id -un 1000):$(id -gn 1000)" = trainer:trainer && command -v dumb-init && test -w /workspace'
 bah run --isolation chroot --user 1000:1000 "$ctr" -- entrypoint mnist-pipeline --version
 
 small_params() {  # params.yaml for a small slice: seconds per stage on a CPU
-    "$root/.venv/bin/python" - "$1" "$2" <<'EOF'
+    "$root/.venv/bin/python" - "$1" "$2" <<'PY'
 import sys, yaml
 params = yaml.safe_load(open(sys.argv[1]))
 params["data"].update(train_limit=1100, val_size=100)
 params["commcheck"].update(max_bytes=65536, iters=3)
 params["train"].update(batch_size=100, nproc=2)
+params["evaluate"].update(min_test_accuracy=0.5)
 yaml.safe_dump(params, open(sys.argv[2], "w"), sort_keys=False)
-EOF
+PY
 }
 
-step "self-contained, non-root uid 1000: entrypoint default (dvc repro without git) on a small slice"
+step "self-contained: docker run -v /path/to/mnist:/mnist:ro -e MNIST_SOURCE=/mnist mnist-pipeline"
 small_params params.yaml "$work/small-params.yaml"
 chmod 0644 "$work/small-params.yaml"
 bah run --isolation chroot --user 1000:1000 -v "$work/small-params.yaml:/workspace/params.yaml:ro" \
     -v "$mnist:/mnist:ro" -e MNIST_SOURCE=/mnist "$ctr" -- entrypoint
 bah run --isolation chroot --user 1000:1000 "$ctr" -- test -s /workspace/reports/comparison.md
 
-step "mounted checkout, non-root uid 1000: entrypoint default (dvc repro) on a small slice"
+step "mounted checkout: docker run --user 1000:1000 -v \"\$PWD\":/workspace -v /path/to/mnist:/mnist:ro -e MNIST_SOURCE=/mnist mnist-pipeline"
 checkout="$work/checkout"
 rm -rf "$checkout"
 mkdir -p "$checkout"
-git ls-files -z | xargs -0 cp --parents -t "$checkout"
+# The working tree as git sees it: tracked files and new ones not ignored.
+git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$checkout"
 small_params params.yaml "$checkout/params.yaml"
 git -C "$checkout" init -q
 git -C "$checkout" add -A
 git -C "$checkout" -c user.name=check -c user.email=check@localhost commit -qm "image check"
 chown -R 1000:1000 "$checkout"
-bah run --isolation chroot --user 1000:1000 -v "$checkout:/workspace" -v "$mnist:/mnist:ro" \
-    -e MNIST_SOURCE=/mnist "$ctr" -- entrypoint
-
-step "outputs on the host, owned by uid 1000"
+mounted=(--isolation chroot --user 1000:1000 -v "$checkout:/workspace")
+bah run "${mounted[@]}" -v "$mnist:/mnist:ro" -e MNIST_SOURCE=/mnist "$ctr" -- entrypoint
 for mode in single dp ddp; do
     test -s "$checkout/metrics/eval/$mode.json"
 done
 test "$(stat -c %u "$checkout/reports/comparison.md")" = 1000
-cat "$checkout/reports/comparison.md" | head -8
+head -8 "$checkout/reports/comparison.md"
+
+step "one command: docker run --user 1000:1000 -v \"\$PWD\":/workspace mnist-pipeline mnist-pipeline train --mode ddp"
+bah run "${mounted[@]}" "$ctr" -- entrypoint mnist-pipeline train --mode ddp
+test "$(stat -c %u "$checkout/models/ddp/model.pt")" = 1000
+
+step "MLflow on the host: docker run --network host -e MLFLOW_TRACKING_URI=http://127.0.0.1:PORT ... train --mode single"
+port=$("$root/.venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+rm -rf "$work/mlflow" && mkdir -p "$work/mlflow"
+"$root/.venv/bin/mlflow" server --host 127.0.0.1 --port "$port" --workers 1 \
+    --backend-store-uri "sqlite:///$work/mlflow/mlflow.db" --artifacts-destination "$work/mlflow/artifacts" \
+    >"$work/mlflow/server.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null || true; bah rm "$ctr" >/dev/null 2>&1 || true' EXIT
+for _ in $(seq 120); do curl -fs "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
+# chroot isolation shares the host's network, as --network host does.
+bah run "${mounted[@]}" -e "MLFLOW_TRACKING_URI=http://127.0.0.1:$port" "$ctr" -- \
+    entrypoint mnist-pipeline train --mode single
+"$root/.venv/bin/python" - "$port" <<'PY'
+import sys
+from mlflow import MlflowClient
+client = MlflowClient(f"http://127.0.0.1:{sys.argv[1]}")
+runs = client.search_runs([e.experiment_id for e in client.search_experiments()], "attributes.run_name = 'single'")
+assert runs and runs[0].info.status == "FINISHED", runs
+print(f"run {runs[0].info.run_id} FINISHED on the host's server")
+PY
 step "image check passed"

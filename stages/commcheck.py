@@ -13,8 +13,9 @@ from stages.common import params_option
 from stages.workers import launch_workers, run_facts
 
 METRICS_FILE = Path("metrics/comm.json")
-# What training depends on: the verdict alone, which stays the same run after run (timings do not),
-# so re-checking the interconnect does not retrain every mode.
+# What training depends on: the verdict alone, which stays the same run after run on the same
+# hardware (timings do not). The stage runs on every `dvc repro` (always_changed: the hardware is no
+# file DVC can hash), and training reruns only when the verdict changes.
 VERDICT_FILE = Path("checks/comm.json")
 
 
@@ -54,6 +55,7 @@ def run_worker(config: Config) -> None:
         with tracking.until_done(runs):
             mine = comm.sweep(rank, device, config.commcheck)
             per_rank = parallel.all_gather_objects(mine, rank)
+            devices = parallel.all_gather_objects(parallel.device_name(device), rank)
             rows = comm.summarize(per_rank, rank.world_size)
             runs.log_points(
                 [(f"{r['primitive']}_{key}", r[key], r["bytes"]) for r in rows for key in ("algbw_gbps", "busbw_gbps")
@@ -66,7 +68,9 @@ def run_worker(config: Config) -> None:
                 # Every rank stops; rank 0 says why, once.
                 raise PipelineError(failure) if rank.is_main else SystemExit(1)
             if rank.is_main:
-                facts = {"world_size": rank.world_size, "backend": backend, "device": device.type}
+                # The hardware the verdict holds for: another backend, rank count or device retrains.
+                facts = {"world_size": rank.world_size, "backend": backend, "device": device.type,
+                         "devices": devices}
                 write_json(METRICS_FILE, {"enabled": True, "passed": True, **facts, "host": socket.gethostname(),
                                           "primitives": per_primitive(rows), "sweep": rows})
                 write_json(VERDICT_FILE, {"enabled": True, "passed": True, **facts,

@@ -12,6 +12,7 @@ from pipeline import tracking
 from pipeline.atomic import atomic_path, write_json, write_text
 from pipeline.checkpoint import MODEL_FILE
 from pipeline.config import MODES, load_config
+from pipeline.errors import PipelineError
 from pipeline.evaluation import confusion_png, evaluate_model, load_trained_model
 from pipeline.loop import to_device
 from pipeline.prepared import load_split
@@ -52,3 +53,11 @@ def evaluate(params_path: str, mode: str, data_dir: str) -> None:
     metrics = {"test_accuracy": result.accuracy, "test_loss": result.loss, **per_class}
     tracking.log_to_mode_run(config.tracking, read_run_ids(mode), metrics, [png], "evaluation")
     click.echo(f"{mode}: test accuracy {result.accuracy:.2%}, loss {result.loss:.4f} on {len(test)} images")
+    gate = config.evaluate.min_test_accuracy
+    if result.accuracy < gate:
+        # The numbers stay where a person looks (the files above, the MLflow run); DVC records
+        # none of them, since the stage fails.
+        raise PipelineError(
+            f"{mode}: test accuracy {result.accuracy:.2%} is below evaluate.min_test_accuracy = {gate:.2%}: "
+            f"the model is broken or undertrained (see metrics/train/{mode}.json and "
+            f"{model_dir(mode)}/logs); fix the training params, or lower the gate in params.yaml")

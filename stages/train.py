@@ -12,7 +12,7 @@ import click
 import torch
 
 from pipeline import parallel, tracking
-from pipeline.atomic import save_torch, write_json, write_text
+from pipeline.atomic import save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, load_checkpoint, trajectory
 from pipeline.config import MODES, Config, flatten, load_config
 from pipeline.loop import Training, to_device
@@ -22,6 +22,8 @@ from stages.common import model_dir, params_option, run_ids_file
 from stages.workers import launch_workers, run_facts
 
 log = logging.getLogger(__name__)
+METRICS_DIR = Path("metrics/train")
+CURVES_DIR = Path("plots/train")
 CURVE_COLUMNS = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
 
 
@@ -106,14 +108,14 @@ def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, res
 def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.Rank, device: torch.device,
                   model: torch.nn.Module, history: list[dict], data, runs) -> None:
     out = model_dir(mode)
-    curves = Path("plots/train") / f"{mode}.csv"
+    curves = CURVES_DIR / f"{mode}.csv"
     save_torch(out / MODEL_FILE, {
         "state_dict": model.state_dict(),
         "model": config.train.model,
         "normalization": {"mean": data.mean, "std": data.std},
         "config": flatten(config),
     })
-    write_json(Path("metrics/train") / f"{mode}.json", summarize(config, mode, rank, device, history))
+    write_json(METRICS_DIR / f"{mode}.json", summarize(config, mode, rank, device, history))
     write_text(curves, curves_csv(history))
     write_json(run_ids_file(mode), runs.ids)
     example = to_device(Split(data.splits["val"].images[:4], data.splits["val"].labels[:4]),
@@ -129,6 +131,9 @@ def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.R
 def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
     """Train one mode. For ddp, starts one worker per device unless already under torchrun."""
     config = load_config(params_path)
+    if parallel.rank_from_env().is_main:  # before any work: training is lost if it cannot be saved
+        for folder in (model_dir(mode), METRICS_DIR, CURVES_DIR):
+            writable_folder(folder)
     if config.tracking.enabled and not parallel.under_torchrun():
         tracking.check_store(tracking.tracking_uri())
     if mode == "ddp" and not parallel.under_torchrun():

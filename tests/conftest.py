@@ -78,6 +78,15 @@ def make_project(dest: Path, params: dict | None = None) -> Path:
     return dest
 
 
+def write_params(path: Path, **sections: dict) -> Path:
+    """The project's params.yaml (every knob, as a params file must hold) with `sections` merged in."""
+    merged = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for section, values in sections.items():
+        merged[section].update(values)
+    path.write_text(yaml.safe_dump(merged, sort_keys=False))
+    return path
+
+
 def project_env(project: Path, **extra: str) -> dict[str, str]:
     """Run the copy's own code, not the editable install's."""
     return {"PYTHONPATH": str(project), **extra}
@@ -85,7 +94,8 @@ def project_env(project: Path, **extra: str) -> dict[str, str]:
 
 SMALL = {"data": {"train_limit": 1100, "val_size": 100},
          "commcheck": {"max_bytes": 65536, "iters": 3},
-         "train": {"epochs": 2, "batch_size": 100, "nproc": 2}}
+         "train": {"epochs": 2, "batch_size": 100, "nproc": 2},
+         "evaluate": {"min_test_accuracy": 0.5}}  # about 80% after 20 steps on 1000 images
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +113,19 @@ def train_cli(project: Path, mode: str, *args: str, check: bool = True, **env: s
 def load_weights(project: Path, mode: str) -> dict:
     import torch
 
-    return torch.load(project / "models" / mode / "model.pt", weights_only=False)["state_dict"]
+    return torch.load(project / "models" / mode / "model.pt", weights_only=True)["state_dict"]
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def relative_difference(a: dict, b: dict) -> float:
+    """|a - b| / |a| over all weights together (L2): how far two trainings' weights are apart."""
+    assert a.keys() == b.keys()
+    diff = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in a) ** 0.5
+    return diff / sum(float(a[k].double().norm() ** 2) for k in a) ** 0.5
 
 
 def free_port() -> int:

@@ -5,7 +5,9 @@ import json
 import pytest
 import yaml
 
-from pipeline.comm import PRIMITIVES, bandwidths, bus_factor, message_bytes, sizes
+import torch
+
+from pipeline.comm import PRIMITIVES, bandwidths, bus_factor, expected_from, message_bytes, sizes, total_of
 from tests.conftest import make_project, project_env, run
 
 
@@ -41,7 +43,8 @@ def test_every_primitive_passes_and_is_recorded(project, nproc):
             assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * bus_factor(row["primitive"], nproc))
     verdict = json.loads((project / "checks/comm.json").read_text())
     assert verdict == {"enabled": True, "passed": True, "world_size": nproc, "backend": "gloo", "device": "cpu",
-                       "primitives": list(PRIMITIVES)}
+                       "devices": [report["devices"][0]] * nproc, "primitives": list(PRIMITIVES)}
+    assert report["devices"][0].startswith("cpu (")
 
 
 def test_a_corrupted_rank_is_caught_and_named(project):
@@ -49,8 +52,8 @@ def test_a_corrupted_rank_is_caught_and_named(project):
     result = commcheck(project, 4, check=False, MNIST_PIPELINE_CORRUPT="all_reduce:2")
     assert result.returncode == 1
     assert "commcheck: all_reduce failed on 4 of 4 ranks (gloo)" in result.stderr
-    # Element 0 sums 1000 * (1 + 2 + 3 + 4) = 10000; rank 2 sent one too many.
-    assert "rank 0 expected 10000 at element 0 of a 4-byte message, got 10001" in result.stderr
+    # Element 0 of rank r is r + 1, so it sums to 1 + 2 + 3 + 4 = 10; rank 2 sent one too many.
+    assert "rank 0 expected 10 at element 0 of a 4-byte message, got 11" in result.stderr
     assert "broadcast failed" not in result.stderr  # the other primitives still pass
     assert not (project / "metrics/comm.json").exists()
 
@@ -58,7 +61,7 @@ def test_a_corrupted_rank_is_caught_and_named(project):
 def test_a_corrupted_point_to_point_link_names_the_receiver(project):
     result = commcheck(project, 2, check=False, MNIST_PIPELINE_CORRUPT="isend_irecv:0")
     assert result.returncode == 1
-    assert "isend_irecv failed on 1 of 2 ranks (gloo): rank 1 expected 1000 at element 0" in result.stderr
+    assert "isend_irecv failed on 1 of 2 ranks (gloo): rank 1 expected 1 at element 0" in result.stderr
 
 
 def test_disabled_records_that_it_was_skipped(project, tmp_path):
@@ -73,10 +76,58 @@ def test_disabled_records_that_it_was_skipped(project, tmp_path):
 @pytest.mark.parametrize(
     "primitive, n, factor",
     [("all_reduce", 4, 1.5), ("all_reduce", 2, 1.0), ("all_gather", 4, 0.75), ("reduce_scatter", 8, 0.875),
-     ("broadcast", 4, 1.0), ("reduce", 4, 1.0), ("send_recv", 2, 1.0)],
+     ("all_to_all", 4, 0.75), ("broadcast", 4, 1.0), ("reduce", 4, 1.0), ("send_recv", 2, 1.0)],
 )
 def test_bus_bandwidth_factors(primitive, n, factor):
     assert bus_factor(primitive, n) == factor
+
+
+def sums_in_every_order(contributions: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float32 sums in the orders real reductions use: in rank order and reversed, around a ring
+    starting at each of a few ranks (NCCL's ring starts each chunk elsewhere), pairwise as a tree,
+    and in random orders."""
+    n = len(contributions)
+
+    def in_order(order):
+        acc = contributions[order[0]].clone()
+        for q in order[1:]:
+            acc += contributions[q]
+        return acc
+
+    def tree(parts):
+        while len(parts) > 1:
+            parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+        return parts[0]
+
+    generator = torch.Generator().manual_seed(0)
+    orders = [list(range(n)), list(reversed(range(n)))]
+    orders += [[(start + k) % n for k in range(n)] for start in (1, n // 3, n - 1)]
+    orders += [torch.randperm(n, generator=generator).tolist() for _ in range(3)]
+    return [in_order(order) for order in orders] + [tree([c.clone() for c in contributions])]
+
+
+@pytest.mark.parametrize("world_size, numel", [(32, 1 << 20), (64, 1 << 20), (1000, 1 << 13)])
+def test_closed_form_sums_are_exact_in_any_reduction_order(world_size, numel):
+    # 1 << 20 float32 elements: commcheck's default largest message (4 MiB).
+    contributions = [expected_from(q, numel, "cpu", world_size) for q in range(world_size)]
+    expected = total_of(numel, "cpu", world_size)
+    for got in sums_in_every_order(contributions):
+        assert torch.equal(got.double(), expected)
+
+
+def test_the_order_check_catches_inexact_values():
+    # What the check used before (arange + 1000 * (rank + 1)): at 32 ranks and 4 MiB its float32 sums
+    # depend on the order, so the test above would fail on it.
+    numel, n = 1 << 20, 32
+    contributions = [torch.arange(numel, dtype=torch.float32) + 1000.0 * (q + 1) for q in range(n)]
+    sums = sums_in_every_order(contributions)
+    assert any(not torch.equal(sums[0], other) for other in sums[1:])
+
+
+def test_every_rank_sends_something_different():
+    n = 64
+    firsts = {tuple(expected_from(q, 8, "cpu", n).tolist()) for q in range(n)}
+    assert len(firsts) == n
 
 
 def test_bandwidths_by_hand():

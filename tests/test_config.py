@@ -58,6 +58,46 @@ def test_int_accepted_where_float_expected():
     assert config_from_dict({"train": {"lr": 1}}).train.lr == 1
 
 
+def full_params() -> dict:
+    return yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+@pytest.mark.parametrize("written, key, expected", [
+    ("lr: 1e-3", ("train", "lr"), 0.001), ("lr: 5E-2", ("train", "lr"), 0.05),
+    ("lr: 2e-2", ("train", "lr"), 0.02), ("max_bytes: 4e6", ("commcheck", "max_bytes"), 4_000_000),
+])
+def test_numbers_written_the_way_people_write_them(tmp_path, written, key, expected):
+    section, name = key
+    text = (ROOT / "params.yaml").read_text()
+    line = next(line for line in text.splitlines() if line.strip().startswith(f"{name}:"))
+    path = tmp_path / "params.yaml"
+    path.write_text(text.replace(line, f"  {written}"))
+    assert isinstance(yaml.safe_load(path.read_text())[section][name], str)  # what YAML 1.1 reads
+    value = getattr(getattr(load_config(path), section), name)
+    assert value == expected and type(value) is type(expected)
+
+
+def test_a_number_that_is_not_whole_is_no_integer(tmp_path):
+    with pytest.raises(ConfigError, match="train.epochs = '2.5' has the wrong type; allowed: an integer"):
+        config_from_dict({"train": {"epochs": "2.5"}})
+
+
+@pytest.mark.parametrize("text", ["", "# nothing but a comment\n"])
+def test_an_empty_params_file_is_an_error(tmp_path, text):
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=rf"{path}: empty; it must hold every section"):
+        load_config(path)
+
+
+def test_a_truncated_params_file_is_an_error(tmp_path):
+    text = (ROOT / "params.yaml").read_text()
+    path = tmp_path / "params.yaml"
+    path.write_text(text[: text.index("  lr:")])  # cut in the middle of `train`
+    with pytest.raises(ConfigError, match=rf"{path}: missing key 'train.lr' and \d+ more \(a truncated file\?\)"):
+        load_config(path)
+
+
 def test_load_config_file_errors(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")

@@ -9,9 +9,10 @@ DOCKERFILE = (ROOT / "Dockerfile").read_text()
 
 
 def instructions() -> list[tuple[str, str]]:
-    joined = re.sub(r"\\\n", " ", DOCKERFILE)
-    return [(line.split()[0].upper(), line.split(None, 1)[1]) for line in joined.splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
+    # Comment lines go first: Docker drops them, even inside an instruction continued over lines.
+    code = "\n".join(line for line in DOCKERFILE.splitlines() if not line.lstrip().startswith("#"))
+    joined = re.sub(r"\\\n", " ", code)
+    return [(line.split()[0].upper(), line.split(None, 1)[1]) for line in joined.splitlines() if line.strip()]
 
 
 def test_hadolint_passes():
@@ -21,14 +22,16 @@ def test_hadolint_passes():
 
 def test_pinned_cuda_base_that_can_be_overridden():
     steps = instructions()
-    assert steps[0][0] == "ARG" and re.fullmatch(r"BASE_IMAGE=nvidia/cuda:\d+\.\d+\.\d+-runtime-ubuntu\d+\.\d+",
+    # -base: torch's wheels bring their own CUDA libraries, so -runtime's would be second copies.
+    assert steps[0][0] == "ARG" and re.fullmatch(r"BASE_IMAGE=nvidia/cuda:\d+\.\d+\.\d+-base-ubuntu\d+\.\d+",
                                                   steps[0][1])
     assert ("FROM", "${BASE_IMAGE}") in steps
 
 
 def test_requirements_install_before_the_source_is_copied():
     steps = [f"{op} {arg}" for op, arg in instructions()]
-    install = next(i for i, s in enumerate(steps) if "pip install --no-cache-dir -r /tmp/requirements.txt" in s)
+    install = next(i for i, s in enumerate(steps)
+                   if "pip install --no-cache-dir --require-hashes -r /tmp/requirements.lock" in s)
     copy_source = next(i for i, s in enumerate(steps) if s.startswith("COPY") and " . /workspace" in s)
     assert install < copy_source
 
@@ -51,3 +54,18 @@ def test_entrypoint_passes_commands_through(tmp_path):
     result = subprocess.run(["sh", str(ROOT / "docker/entrypoint.sh"), "sh", "-c", "echo ran; echo $HOME"],
                             capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"})
     assert result.returncode == 0 and result.stdout.split() == ["ran", "/tmp"]
+
+
+def test_uid_1000_is_freed_before_the_user_is_made():
+    # ubuntu:24.04 already has `ubuntu` with uid/gid 1000: a plain useradd --uid 1000 exits 4.
+    # `make image-check` proves it on a stand-in that has that user; this keeps the order visible.
+    run = next(arg for op, arg in instructions() if op == "RUN" and "useradd" in arg)
+    assert run.index("userdel") < run.index("groupdel") < run.index("groupadd --gid 1000") < run.index("useradd")
+
+
+def test_entrypoint_runs_under_dumb_init_and_keeps_the_exit_code():
+    env = {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "HOME": "/tmp"}
+    script = 'echo "$(cat /proc/$PPID/comm)"; exit 3'  # the parent of the command is dumb-init
+    result = subprocess.run(["sh", str(ROOT / "docker/entrypoint.sh"), "sh", "-c", script],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 3 and result.stdout.split() == ["dumb-init"], result.stderr

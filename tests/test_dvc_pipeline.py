@@ -33,10 +33,26 @@ def test_repro_runs_every_stage(repro):
         assert (project / "plots/confusion" / f"{mode}.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_second_repro_is_a_noop(repro):
+def test_second_repro_checks_the_interconnect_again_and_retrains_nothing(repro):
     project, env, _ = repro
+    verdict = (project / "checks/comm.json").read_text()
     again = run(["dvc", "repro"], project, **env)
-    assert "Running stage" not in again.stdout
+    assert "Running stage 'commcheck'" in again.stdout  # the hardware is no file DVC could hash
+    assert (project / "checks/comm.json").read_text() == verdict
+    assert [line for line in again.stdout.splitlines() if line.startswith("Running stage")] == \
+        ["Running stage 'commcheck':"]
+
+
+def test_another_verdict_retrains_every_mode(repro):
+    project, env, _ = repro
+    path = project / "checks/comm.json"
+    original = path.read_text()
+    try:  # as on a host with other devices: the verdict names them
+        path.write_text(original.replace('"cpu (', '"another cpu ('))
+        changed = json.loads(run(["dvc", "status", "--json"], project, **env).stdout)
+        assert {f"train@{m}" for m in MODES} <= set(changed)
+    finally:
+        path.write_text(original)
 
 
 def test_commcheck_runs_before_any_training(repro):
@@ -52,7 +68,7 @@ def test_each_stage_depends_only_on_the_params_it_reads(repro):
     try:
         params.write_text(original.replace("lr: 0.01", "lr: 0.02"))
         changed = json.loads(run(["dvc", "status", "--json"], project, **env).stdout)
-        assert set(changed) == {f"train@{m}" for m in MODES}
+        assert set(changed) - {"commcheck"} == {f"train@{m}" for m in MODES}  # commcheck: always
     finally:
         params.write_text(original)
 

@@ -11,7 +11,7 @@ from pipeline.config import DataConfig
 from pipeline.errors import DataError
 from pipeline.prepared import split_train_val
 from stages.cli import main
-from tests.conftest import idx_bytes, write_tiny_mnist
+from tests.conftest import idx_bytes, write_params, write_tiny_mnist
 
 TRAIN_CLASS_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
 
@@ -110,7 +110,7 @@ def test_prepare_cli_bad_input_exits_nonzero_and_writes_nothing(tmp_path, monkey
     folder = write_tiny_mnist(tmp_path / "src")
     (folder / "t10k-images-idx3-ubyte").write_bytes(b"\x00\x00\x08")
     params = tmp_path / "params.yaml"
-    params.write_text("data: {verify_checksums: false, val_size: 10}\n")
+    write_params(params, data={"verify_checksums": False, "val_size": 10})
     out = tmp_path / "prepared"
     monkeypatch.setenv("MNIST_SOURCE", str(folder))
     result = CliRunner().invoke(main, ["prepare", "--params", str(params), "--out", str(out)])
@@ -122,7 +122,7 @@ def test_prepare_cli_bad_input_exits_nonzero_and_writes_nothing(tmp_path, monkey
 def test_prepare_cli_missing_source_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("MNIST_SOURCE", str(tmp_path / "nowhere"))
     params = tmp_path / "params.yaml"
-    params.write_text("{}\n")
+    write_params(params)
     result = CliRunner().invoke(main, ["prepare", "--params", str(params), "--out", str(tmp_path / "out")])
     assert result.exit_code == 1 and "no such folder" in result.output
 
@@ -139,7 +139,7 @@ def test_prepare_into_an_unwritable_folder_is_a_clear_error(tmp_path, monkeypatc
         out = tmp_path / "ro" / "prepared"
     folder = write_tiny_mnist(tmp_path / "src")
     params = tmp_path / "params.yaml"
-    params.write_text("data: {verify_checksums: false, val_size: 10}\n")
+    write_params(params, data={"verify_checksums": False, "val_size": 10})
     monkeypatch.setenv("MNIST_SOURCE", str(folder))
     result = CliRunner().invoke(main, ["prepare", "--params", str(params), "--out", str(out)])
     assert result.exit_code == 1 and "cannot write into" in result.output and "Traceback" not in result.output

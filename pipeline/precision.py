@@ -1,0 +1,40 @@
+"""Mixed precision: which dtype autocast uses, and a forward that enters it itself.
+
+Autocast state is thread-local. DataParallel runs each replica's forward in a thread of its own and
+re-enters autocast there with only `enabled=` (torch.nn.parallel.parallel_apply), so the replica
+computes in that thread's default dtype, float16 on CUDA, not the bfloat16 the loop asked for: the
+replicas would then train in fp16 without a grad scaler. PyTorch's AMP notes give the fix used here:
+enter autocast, with its dtype, inside the model's forward, which runs in every replica's thread.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def autocast_dtype(device: torch.device, bf16: bool) -> torch.dtype | None:
+    """bfloat16 on a GPU that computes it natively (Ampere or newer) when asked; else full float32.
+    An emulated bf16 (older GPUs) is slower than float32, so it is never chosen."""
+    if device.type == "cuda" and bf16 and torch.cuda.is_bf16_supported(including_emulation=False):
+        return torch.bfloat16
+    return None
+
+
+class AutocastForward(nn.Module):
+    """`module`, whose forward always runs under autocast(device_type, dtype), in whatever thread
+    calls it. It holds no weights of its own: `module` is the one to save and load."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.module = module
+        self.device_type = device_type
+        self.dtype = dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
+def with_autocast(module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
+    return module if dtype is None else AutocastForward(module, device.type, dtype)

@@ -1,0 +1,137 @@
+"""What only happens on NVIDIA GPUs. Skipped (never passed) without CUDA; `make gpu-check` runs
+them on any CUDA host, then the default pipeline, and prints one summary table."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.loop import PhaseClock, peak_memory_mb
+from pipeline.model import build_model
+from pipeline.precision import AutocastForward, autocast_dtype
+from tests.conftest import SMALL, load_weights, make_project, project_env, relative_difference, run, train_cli
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this host")]
+
+# bf16 keeps 8 bits of mantissa: the modes see the same global batches, but a rank's share of a
+# batch is summed in another order and rounded at bf16's precision, so after 20 steps their weights
+# agree to about a percent of their norm, not to float32's 1e-6. (float32 on a GPU is looser than on
+# the CPU too: cuDNN convolutions use TF32 by default.)
+BF16_RELATIVE_TOLERANCE = 0.05
+FP32_RELATIVE_TOLERANCE = 0.01
+
+
+@pytest.fixture(scope="module")
+def gpu_project(tmp_path_factory, mnist_dir):
+    """The small slice, one DDP worker per GPU, a global batch every GPU count up to 8 divides."""
+    project = make_project(tmp_path_factory.mktemp("gpu") / "proj",
+                           {**SMALL, "train": {**SMALL["train"], "batch_size": 96, "nproc": 0}})
+    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    return project
+
+
+def test_bf16_inside_every_dataparallel_replica():
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        pytest.skip("this GPU has no native bf16")
+    seen, lock = [], threading.Lock()
+    model = build_model("small").cuda()
+
+    def record(module, inputs, output):
+        with lock:
+            seen.append((output.device.index, output.dtype))
+
+    model[0].register_forward_hook(record)
+    replicated = nn.DataParallel(AutocastForward(model, "cuda", torch.bfloat16))
+    images = torch.randn(16 * torch.cuda.device_count(), 1, 28, 28, device="cuda")
+    replicated(images)
+    assert {index for index, _ in seen} == set(range(torch.cuda.device_count()))
+    assert {dtype for _, dtype in seen} == {torch.bfloat16}
+
+
+def test_bf16_only_where_native():
+    native = torch.cuda.is_bf16_supported(including_emulation=False)
+    assert autocast_dtype(torch.device("cuda", 0), bf16=True) == (torch.bfloat16 if native else None)
+    assert autocast_dtype(torch.device("cuda", 0), bf16=False) is None
+
+
+def test_phase_clock_reads_cuda_events():
+    clock = PhaseClock(torch.device("cuda", 0))
+    a = torch.randn(2048, 2048, device="cuda")
+    started = time.perf_counter()
+    for _ in range(3):
+        clock.mark()
+        b = a @ a
+        clock.mark()
+        b = b @ a
+        clock.mark()
+        b.sum()
+        clock.mark()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+    totals = clock.totals()
+    assert all(value > 0 for value in totals.values())
+    assert sum(totals.values()) <= wall * 1.05
+
+
+def test_peak_memory_per_device():
+    for index in range(torch.cuda.device_count()):
+        device = torch.device("cuda", index)
+        torch.cuda.reset_peak_memory_stats(device)
+        block = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
+        assert peak_memory_mb(device) >= 64
+        del block
+
+
+def test_nccl_commcheck_over_every_gpu(gpu_project):
+    result = run(["mnist-pipeline", "commcheck"], gpu_project, **project_env(gpu_project))
+    verdict = json.loads((gpu_project / "checks/comm.json").read_text())
+    count = torch.cuda.device_count()
+    assert verdict["backend"] == "nccl" and verdict["world_size"] == count and verdict["device"] == "cuda"
+    assert verdict["devices"] == [torch.cuda.get_device_name(i) for i in range(count)]
+    assert f"passed on {count} ranks (nccl)" in result.stdout
+
+
+def test_single_on_the_gpu_trains_channels_last_and_saves_portable_files(gpu_project):
+    train_cli(gpu_project, "single")
+    summary = json.loads((gpu_project / "metrics/train/single.json").read_text())
+    assert summary["device"] == "cuda"
+    state = torch.load(gpu_project / "models/single/checkpoint.pt", weights_only=True)
+    tensors = list(state["model"].values())
+    assert all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+
+def test_ddp_on_every_gpu_agrees_with_single(gpu_project):
+    result = train_cli(gpu_project, "ddp")
+    count = torch.cuda.device_count()
+    assert f"launching {count} workers" in result.stdout
+    summary = json.loads((gpu_project / "metrics/train/ddp.json").read_text())
+    assert summary["backend"] == "nccl" and summary["world_size"] == count
+    difference = relative_difference(load_weights(gpu_project, "single"), load_weights(gpu_project, "ddp"))
+    print(f"relative |single - ddp| after 20 steps in bf16: {difference:.2e}")
+    assert difference < BF16_RELATIVE_TOLERANCE
+
+
+def test_dataparallel_over_every_gpu_agrees_with_single(gpu_project):
+    train_cli(gpu_project, "dp")
+    count = torch.cuda.device_count()
+    assert json.loads((gpu_project / "metrics/train/dp.json").read_text())["dp_devices"] == count
+    history = torch.load(gpu_project / "models/dp/checkpoint.pt", weights_only=True)["history"]
+    assert all(history[-1][f"gpu{i}_peak_memory_mb"] > 0 for i in range(count))
+    difference = relative_difference(load_weights(gpu_project, "single"), load_weights(gpu_project, "dp"))
+    print(f"relative |single - dp| after 20 steps in bf16: {difference:.2e}")
+    assert difference < BF16_RELATIVE_TOLERANCE
+
+
+def test_ddp_agrees_with_single_in_float32(gpu_project, tmp_path):
+    params = gpu_project / "params.yaml"
+    fp32 = tmp_path / "fp32.yaml"
+    fp32.write_text(params.read_text().replace("bf16: true", "bf16: false"))
+    for mode in ("single", "ddp"):
+        train_cli(gpu_project, mode, "--params", str(fp32))
+    difference = relative_difference(load_weights(gpu_project, "single"), load_weights(gpu_project, "ddp"))
+    print(f"relative |single - ddp| after 20 steps in float32: {difference:.2e}")
+    assert difference < FP32_RELATIVE_TOLERANCE
