@@ -32,9 +32,24 @@ PARENT_TAG = "mlflow.parentRunId"
 HEALTH_TIMEOUT_S = 5
 
 
+def project_root() -> Path:
+    """The repository the pipeline runs for, where its own store lives. `dvc exp run --temp` and
+    `dvc queue` run each stage in a temporary copy that DVC deletes afterwards, with the real
+    repository in DVC_ROOT; a store in that copy would vanish with every run logged to it."""
+    return Path(os.environ.get("DVC_ROOT") or ".").resolve()
+
+
 def tracking_uri() -> str:
     """MLFLOW_TRACKING_URI, else the project's own SQLite file."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path(DEFAULT_DB).resolve()}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / DEFAULT_DB}"
+
+
+def dvc_experiment_facts() -> dict[str, str]:
+    """The DVC experiment a run belongs to (set by `dvc exp run`), so a row of `dvc exp show` and
+    its MLflow runs find each other."""
+    facts = {"dvc_experiment": os.environ.get("DVC_EXP_NAME"),
+             "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV")}
+    return {key: value for key, value in facts.items() if value}
 
 
 def _sqlite_path(uri: str) -> Path | None:
@@ -179,7 +194,7 @@ def _experiment_id(client, name: str, uri: str) -> str:
     if experiment is not None:
         return experiment.experiment_id
     # With the local SQLite store, artifacts go to ./mlartifacts (a server decides for itself).
-    location = Path(DEFAULT_ARTIFACTS).resolve().as_uri() if _sqlite_path(uri) else None
+    location = (project_root() / DEFAULT_ARTIFACTS).as_uri() if _sqlite_path(uri) else None
     return client.create_experiment(name, artifact_location=location)
 
 
@@ -200,7 +215,7 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
             client.update_run(parent_id, status="RUNNING")
         else:
             experiment_id = _experiment_id(client, config.experiment, uri)
-            run_tags = {**tags, **git_facts(), "host": socket.gethostname()}
+            run_tags = {**tags, **git_facts(), **dvc_experiment_facts(), "host": socket.gethostname()}
             parent_id = client.create_run(experiment_id, run_name=mode, tags=run_tags).info.run_id
             client.log_batch(parent_id, params=_as_params(params))
         shared = (experiment_id, parent_id)
@@ -217,7 +232,7 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
     else:
         child_tags = {PARENT_TAG: parent_id, "mode": mode, "rank": str(rank.rank),
                       "local_rank": str(rank.local_rank), "world_size": str(rank.world_size),
-                      "host": socket.gethostname()}
+                      "host": socket.gethostname(), **dvc_experiment_facts()}
         child_id = client.create_run(experiment_id, run_name=f"{mode}/rank-{rank.rank}", tags=child_tags).info.run_id
     children = dict(enumerate(all_gather_objects(child_id, rank)))
 
@@ -273,6 +288,25 @@ class Untracked:
         pass
 
 
+def fail_unfinished(config: TrackingConfig, ids: dict) -> list[str]:
+    """Ends FAILED every run of a training (parent and children) still RUNNING: what the launcher
+    does when a worker died without a word. Returns the ids it ended."""
+    if not config.enabled or not ids:
+        return []
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri())
+    ended = []
+    for run_id in [ids["parent"], *ids.get("children", {}).values()]:
+        try:
+            if client.get_run(run_id).info.status == "RUNNING":
+                client.set_terminated(run_id, "FAILED")
+                ended.append(run_id)
+        except Exception as exc:  # the training's own error is the one to report
+            log.warning("could not mark MLflow run %s FAILED: %s", run_id, exc)
+    return ended
+
+
 def log_to_mode_run(config: TrackingConfig, ids: dict, metrics: dict[str, float], artifacts: Iterable[Path],
                     artifact_dir: str | None = None) -> None:
     """Add a later stage's numbers and files to the parent run a training made (see mlflow_run.json)."""
@@ -299,7 +333,7 @@ def log_compare_run(config: TrackingConfig, mode_ids: dict[str, dict], metrics: 
     # The description (mlflow.note.content) is Markdown in the UI: one link per mode run.
     links = " | ".join(f"[{mode}](#/experiments/{v['experiment_id']}/runs/{v['parent']})" for mode, v in ids.items())
     tags = {f"run_id.{mode}": value["parent"] for mode, value in ids.items()}
-    tags.update({"mlflow.note.content": f"Compares the mode runs: {links}", **git_facts()})
+    tags.update({"mlflow.note.content": f"Compares the mode runs: {links}", **git_facts(), **dvc_experiment_facts()})
     run_id = client.create_run(experiment_id, run_name="compare", tags=tags).info.run_id
     try:
         client.log_batch(run_id, metrics=_metric_batch(_numeric(metrics, step=0)))

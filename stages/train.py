@@ -18,7 +18,7 @@ from pipeline.config import MODES, Config, flatten, load_config
 from pipeline.loop import Training, to_device
 from pipeline.loop import train as train_model
 from pipeline.prepared import Split, load_prepared, load_stats
-from stages.common import model_dir, params_option, run_ids_file
+from stages.common import model_dir, params_option, read_run_ids, run_ids_file
 from stages.workers import launch_workers, run_facts
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,8 @@ def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, res
         facts = run_facts(mode, rank, device, distributed=mode == "ddp")
         runs = tracking.start_mode_run(config.tracking, mode, rank, facts, params,
                                        state.get("extra", {}).get("mlflow") if state else None)
+        if rank.is_main:  # at once, so the launcher can end these runs if a worker is killed outright
+            write_json(run_ids_file(mode), runs.ids)
         run = Training(config.train, mode, rank, device, out, resume_state=state, epoch_hooks=[runs.log_epoch],
                        extra_state={"mlflow": runs.ids}, log_every_n_steps=config.tracking.log_every_n_steps)
         with tracking.until_done(runs):
@@ -140,7 +142,13 @@ def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
         # Fail here, before any worker starts, on what would fail in every worker.
         parallel.per_rank_batch(config.train.batch_size, config.train.nproc or parallel.default_nproc())
         load_stats(Path(data_dir))
-        launch_workers(config, ["train", "--mode", "ddp", "--params", params_path, "--data-dir", data_dir]
-                       + (["--resume"] if resume else []))
+        try:
+            launch_workers(config, ["train", "--mode", "ddp", "--params", params_path, "--data-dir", data_dir]
+                           + (["--resume"] if resume else []))
+        except BaseException:
+            # A worker killed outright (SIGKILL, out of memory) could not end its own run: the
+            # launcher ends every run of this training that is still RUNNING.
+            tracking.fail_unfinished(config.tracking, read_run_ids(mode))
+            raise
         return
     run_worker(config, Path(params_path), mode, Path(data_dir), resume)

@@ -1,0 +1,50 @@
+"""Every way DVC runs the pipeline logs to the project's one MLflow store: `dvc exp run` in the
+queue and with --temp run each stage in a temporary copy that DVC deletes afterwards. Each run
+carries the DVC experiment's name and baseline commit, so `dvc exp show` and MLflow meet."""
+
+import time
+
+from mlflow import MlflowClient
+
+from tests.conftest import SMALL, make_project, project_env, run
+
+ONLY_SINGLE = {**SMALL, "train": {**SMALL["train"], "modes": ["single"]}}
+
+
+def test_queued_and_temp_experiments_land_in_the_projects_store(tmp_path, mnist_dir):
+    project = make_project(tmp_path / "proj", ONLY_SINGLE)
+    env = project_env(project, MNIST_SOURCE=str(mnist_dir))
+    run(["dvc", "repro"], project, **env)
+    run(["git", "add", "-A"], project)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"], project)
+    baseline = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
+    experiments = {"lr-high": "0.02", "lr-low": "0.005"}
+    try:
+        for name, lr in experiments.items():
+            run(["dvc", "exp", "run", "--queue", "-n", name, "-S", f"train.lr={lr}"], project, **env)
+        run(["dvc", "queue", "start"], project, **env)
+        deadline = time.monotonic() + 600
+        while True:
+            status = run(["dvc", "queue", "status"], project, **env).stdout
+            if "Queued" not in status and "Running" not in status:
+                break
+            assert time.monotonic() < deadline, status
+            time.sleep(2)
+        assert status.count("Success") == 2, status
+    finally:
+        run(["dvc", "queue", "stop", "--kill"], project, check=False, **env)
+    run(["dvc", "exp", "run", "--temp", "-n", "temp-run", "-S", "train.lr=0.015"], project, **env)
+    experiments["temp-run"] = "0.015"
+
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    ids = [e.experiment_id for e in client.search_experiments()]
+    for name, lr in experiments.items():
+        runs = client.search_runs(ids, f"tags.dvc_experiment = '{name}'")
+        parents = [r for r in runs if r.info.run_name == "single"]
+        assert len(parents) == 1, (name, [r.info.run_name for r in runs])
+        parent = parents[0]
+        assert parent.info.status == "FINISHED" and parent.data.params["train.lr"] == lr
+        assert parent.data.tags["dvc_baseline_rev"] == baseline
+        assert "test_accuracy" in parent.data.metrics  # evaluate, in the same temporary copy, found it
+        assert {r.info.run_name for r in runs} >= {"single", "single/rank-0", "compare"}
+    assert not list((project / ".dvc").rglob("mlflow.db"))  # nothing went to a temporary copy's store
