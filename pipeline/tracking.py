@@ -26,6 +26,12 @@ from pipeline.lifecycle import stop_signals_unwind
 from pipeline.parallel import Rank, all_gather_objects, broadcast_object
 
 log = logging.getLogger(__name__)
+# A run prints the project's own lines. MLflow's INFO lines (schema migrations, "Skip logging GPU
+# metrics", a "View run" URL per run, each repeated by every rank) would drown them; its warnings
+# stay. MLflow reads these when first imported, which is always after this module; a user's own
+# setting wins.
+os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 DEFAULT_DB = "mlflow.db"
 DEFAULT_ARTIFACTS = "mlartifacts"
 PARENT_TAG = "mlflow.parentRunId"
@@ -111,6 +117,13 @@ def _as_params(flat: dict[str, Any]) -> list:
     return [Param(key, str(value)) for key, value in flat.items()]
 
 
+class _KnownPickleWarning(logging.Filter):
+    """mlflow.pytorch warns on every pickled model; the README says once why this project pickles."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Saving pytorch model by Pickle")
+
+
 @dataclass
 class ModeRun:
     """One training's runs, seen from one rank: the parent (logged by rank 0) and this rank's child."""
@@ -161,6 +174,7 @@ class ModeRun:
         model = model.cpu().eval()
         with torch.no_grad():
             output = model(example).numpy()
+        logging.getLogger("mlflow.pytorch").addFilter(_KnownPickleWarning())
         mlflow.set_tracking_uri(self.uri)
         with mlflow.start_run(run_id=self.parent_id):
             mlflow.pytorch.log_model(
@@ -320,8 +334,7 @@ def log_to_mode_run(config: TrackingConfig, ids: dict, metrics: dict[str, float]
         client.log_artifact(ids["parent"], str(path), artifact_dir)
 
 
-def log_compare_run(config: TrackingConfig, mode_ids: dict[str, dict], metrics: dict[str, float],
-                    artifacts: Iterable[Path]) -> str | None:
+def log_compare_run(config: TrackingConfig, mode_ids: dict[str, dict], artifacts: Iterable[Path]) -> str | None:
     """A `compare` run holding the report, tagged with (and linking to) the mode runs it compares."""
     ids = {mode: value for mode, value in mode_ids.items() if value}
     if not config.enabled or not ids:
@@ -336,7 +349,6 @@ def log_compare_run(config: TrackingConfig, mode_ids: dict[str, dict], metrics: 
     tags.update({"mlflow.note.content": f"Compares the mode runs: {links}", **git_facts(), **dvc_experiment_facts()})
     run_id = client.create_run(experiment_id, run_name="compare", tags=tags).info.run_id
     try:
-        client.log_batch(run_id, metrics=_metric_batch(_numeric(metrics, step=0)))
         for path in artifacts:
             client.log_artifact(run_id, str(path))
     except BaseException:

@@ -146,3 +146,25 @@ def test_evaluate_names_a_missing_or_corrupt_model(tmp_path, repro, damage):
         assert "Traceback" not in result.stderr
     finally:
         model.write_bytes(saved)
+
+
+def test_each_mode_run_holds_the_numbers_compared_under_one_name(repro):
+    from mlflow import MlflowClient
+
+    project, _, _ = repro
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    for mode in MODES:
+        ids = json.loads((project / "models" / mode / "mlflow_run.json").read_text())
+        metrics = client.get_run(ids["parent"]).data.metrics
+        for name in ("test_accuracy", "speedup_over_single", "scaling_efficiency", "total_train_time_s",
+                     "mean_samples_per_s"):
+            assert name in metrics, (mode, name)
+        train = json.loads((project / "metrics/train" / f"{mode}.json").read_text())
+        assert metrics["total_train_time_s"] == pytest.approx(train["train_time_s"])
+    single = json.loads((project / "models/single/mlflow_run.json").read_text())
+    assert client.get_run(single["parent"]).data.metrics["speedup_over_single"] == 1.0
+    experiment = client.get_run(single["parent"]).info.experiment_id
+    (compare,) = [run for run in client.search_runs([experiment], "attributes.run_name = 'compare'")
+                  if run.data.tags.get("run_id.single") == single["parent"]]
+    assert compare.data.metrics == {}  # the report and the links, not copies of the numbers
+    assert {a.path for a in client.list_artifacts(compare.info.run_id)} >= {"comparison.md"}

@@ -159,3 +159,15 @@ def test_a_resumed_training_continues_the_same_runs(tmp_path, mnist_dir):
     experiment_runs = client.search_runs([parent.info.experiment_id])
     assert len(experiment_runs) == 2  # the one parent and its one child, continued, not doubled
     check_structure(client, project, "single", 1)
+
+
+def test_a_run_prints_the_projects_lines_not_mlflows(tmp_path, mnist_dir, mlflow_server):
+    project = project_with(tmp_path, mnist_dir, "quiet")
+    for uri in (None, mlflow_server):  # a new SQLite store (its schema is made) and a server
+        env = project_env(project, **({"MLFLOW_TRACKING_URI": uri} if uri else {}))
+        result = run(["mnist-pipeline", "train", "--mode", "ddp"], project, **env)
+        output = result.stdout + result.stderr
+        assert "ddp epoch 2/2: train loss" in output
+        for chatter in ("INFO mlflow", "Creating initial MLflow database tables", "Skip logging GPU metrics",
+                        "View run", "Saving pytorch model by Pickle"):
+            assert chatter not in output, (chatter, output[-3000:])
