@@ -1,0 +1,115 @@
+"""Where the time of a whole `dvc repro` goes: the training loops against everything else.
+
+Each repeat copies the project (the files git sees) into a new folder with its own git repository,
+runs `dvc repro` there from a clean state with the default params.yaml on all of MNIST, and reads
+the time of every line the pipeline prints. A stage's wall time runs from its "Running stage" line
+to the next one; for a train stage, the time from its start to its first step is its first epoch
+line's time less that epoch's time (plots/train/<mode>.csv), and the time from its last step to its
+exit runs from its last epoch line to the next stage. The ratio that matters is the whole repro's
+wall time over the sum of the three training loops (`train_time_s`), #13's fixed-cost target
+being at most 1.4.
+
+    MNIST_SOURCE=../shared/data/mnist .venv/bin/python benchmarks/pipeline_overhead.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGE_LINE = re.compile(r"^Running stage '([^']+)':")
+EPOCH_LINE = re.compile(r"^(single|dp|ddp) epoch (\d+)/(\d+):")
+
+
+def copy_project(dest: Path) -> Path:
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    # Clean state: no outputs, and no dvc.lock that could let DVC skip a stage.
+    for generated in ("metrics", "plots", "reports", "checks", "dvc.lock"):
+        target = dest / generated
+        shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+    git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost"]
+    for command in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "benchmark copy"]):
+        subprocess.run(git + command, cwd=dest, check=True)
+    return dest
+
+
+def timed_repro(project: Path, env: dict) -> tuple[float, list[tuple[float, str]]]:
+    """(wall seconds, [(seconds since start, line)]) of one `dvc repro`."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(["dvc", "repro"], cwd=project, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1)
+    lines = [(time.perf_counter() - started, line.rstrip("\n")) for line in proc.stdout]
+    if proc.wait() != 0:
+        sys.exit("dvc repro failed:\n" + "\n".join(line for _, line in lines[-40:]))
+    return time.perf_counter() - started, lines
+
+
+def breakdown(project: Path, wall: float, lines: list[tuple[float, str]]) -> dict:
+    """Per stage: wall time and, for train stages, loop time, start-up and tear-down."""
+    starts = [(t, STAGE_LINE.match(line)[1]) for t, line in lines if STAGE_LINE.match(line)]
+    stages = {}
+    for (start, name), (end, _) in zip(starts, starts[1:] + [(wall, "")]):
+        row = {"wall_s": end - start}
+        epochs = [(t, m) for t, line in lines if start <= t < end and (m := EPOCH_LINE.match(line))]
+        if name.startswith("train@") and epochs:
+            mode = name.split("@")[1]
+            with (project / "plots/train" / f"{mode}.csv").open() as handle:
+                first_epoch_s = float(next(csv.DictReader(handle))["epoch_time_s"])
+            loop = json.loads((project / "metrics/train" / f"{mode}.json").read_text())["train_time_s"]
+            row.update(loop_s=loop, startup_s=epochs[0][0] - start - first_epoch_s, teardown_s=end - epochs[-1][0])
+        stages[name] = row
+    loops = sum(row.get("loop_s", 0.0) for row in stages.values())
+    return {"wall_s": wall, "loops_s": loops, "ratio": wall / loops, "stages": stages}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="whole runs; the medians count")
+    args = parser.parse_args()
+    source = Path(os.environ.get("MNIST_SOURCE", ROOT.parent / "shared" / "data" / "mnist")).resolve()
+    env = {**os.environ, "MNIST_SOURCE": str(source), "DVC_NO_ANALYTICS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("MLFLOW_TRACKING_URI", None)  # each copy's own SQLite store, as `make run` has
+    runs = []
+    for repeat in range(args.repeats):
+        with tempfile.TemporaryDirectory(prefix="pipeline-overhead-") as tmp:
+            project = copy_project(Path(tmp))
+            env["PYTHONPATH"] = str(project)
+            runs.append(breakdown(project, *timed_repro(project, env)))
+        print(f"run {repeat + 1}: {runs[-1]['wall_s']:.1f} s, loops {runs[-1]['loops_s']:.1f} s", flush=True)
+
+    def median(get) -> float:
+        return statistics.median(get(run) for run in runs)
+
+    print(f"\nWhere a whole `dvc repro` goes (default params, all of MNIST; medians of {args.repeats})\n")
+    print("| stage | wall, s | training loop, s | start to first step, s | last step to exit, s |")
+    print("|---|---:|---:|---:|---:|")
+    for name in runs[0]["stages"]:
+        row = runs[0]["stages"][name]
+        cells = [median(lambda r: r["stages"][name]["wall_s"])]
+        cells += [median(lambda r: r["stages"][name][key]) if key in row else None
+                  for key in ("loop_s", "startup_s", "teardown_s")]
+        print(f"| {name} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
+    wall, loops = median(lambda r: r["wall_s"]), median(lambda r: r["loops_s"])
+    print(f"\nwhole dvc repro {wall:.1f} s, training loops {loops:.1f} s, everything else {wall - loops:.1f} s")
+    print(f"fixed cost: wall / loops = {median(lambda r: r['ratio']):.2f} (target at most 1.4)")
+
+
+if __name__ == "__main__":
+    main()
