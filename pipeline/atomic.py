@@ -36,10 +36,6 @@ def writable_folder(folder: str | Path) -> Path:
     return folder
 
 
-def _make_parent(path: Path) -> None:
-    writable_folder(path.parent)
-
-
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -62,7 +58,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success it replaces `path`, on error it vanishes
     and `path` keeps what it held."""
     path = Path(path)
-    _make_parent(path)
+    writable_folder(path.parent)
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
@@ -84,7 +80,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yield an empty temporary folder that replaces the folder `path` once the block succeeds."""
     path = Path(path)
-    _make_parent(path)
+    writable_folder(path.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700
     try:

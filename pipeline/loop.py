@@ -174,19 +174,17 @@ def build(config: TrainConfig, steps: int, device: torch.device, mode: str):
     return model, wrapped, optimizer, scheduler
 
 
-def run_epoch(run: Training, wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor,
-              batch: int, first_step: int, clock: PhaseClock, show_bar: bool, desc: str):
-    """One pass over this rank's indices; returns (loss sum, correct count, first step whose loss was
-    not finite or 0, sampled step losses), all still on the device: a .item() per step would sync
-    every step."""
+def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, batch: int,
+              clock: PhaseClock, show_bar: bool, desc: str):
+    """One pass over this rank's indices; returns (loss sum, correct count, each step's loss), all
+    still on the device: a .item() per step would sync every step."""
     device = data.labels.device
+    batches = order.split(batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    first_bad_step = torch.zeros((), dtype=torch.int64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
-    step_losses = []
+    losses = torch.empty(len(batches), dtype=torch.float32, device=device)
     wrapped.train()
-    for step, idx in enumerate(tqdm(order.split(batch), desc=desc, disable=not show_bar, leave=False),
-                               start=first_step):
+    for i, idx in enumerate(tqdm(batches, desc=desc, disable=not show_bar, leave=False)):
         clock.mark()
         images, labels = data.images[idx], data.labels[idx]
         clock.mark()
@@ -199,22 +197,21 @@ def run_epoch(run: Training, wrapped: nn.Module, optimizer, scheduler, data: Dev
         scheduler.step()
         clock.mark()
         loss_sum += loss.detach() * len(idx)
-        first_bad_step = torch.where((first_bad_step == 0) & ~torch.isfinite(loss.detach()), step, first_bad_step)
+        losses[i] = loss.detach()
         correct += (logits.detach().argmax(1) == labels).sum()
-        if run.log_every_n_steps and step % run.log_every_n_steps == 0:
-            step_losses.append((step, loss.detach()))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the epoch's time must include its queued kernels
-    return loss_sum, correct, first_bad_step, step_losses
+    return loss_sum, correct, losses
 
 
-def check_finite(mode: str, epoch: int, loss_sum: torch.Tensor, first_bad_step: torch.Tensor, rank: Rank) -> None:
+def check_finite(mode: str, epoch: int, loss_sum: torch.Tensor, losses: list[float], first_step: int,
+                 rank: Rank) -> None:
     """A NaN or infinite loss means training diverged: stop with the step, not train on garbage.
     `loss_sum` is summed over the ranks, so every rank stops at the same epoch."""
     if math.isfinite(loss_sum.item()):
         return
-    step = first_bad_step.item()
-    where = f"step {step}" if step else "a step of another rank"
+    bad = next((first_step + i for i, value in enumerate(losses) if not math.isfinite(value)), None)
+    where = f"step {bad}" if bad else "a step of another rank"
     raise PipelineError(
         f"{mode}: the training loss is not finite at epoch {epoch}, {where}"
         f"{f' (rank {rank.rank})' if rank.world_size > 1 else ''}: training diverged. Lower train.lr, "
@@ -251,15 +248,17 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
                 torch.cuda.reset_peak_memory_stats(index)
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        loss_sum, correct, first_bad_step, step_losses = run_epoch(
-            run, wrapped, optimizer, scheduler, train_split, order, batch, first_step=epoch * steps + 1,
+        first_step = epoch * steps + 1
+        loss_sum, correct, losses = run_epoch(
+            wrapped, optimizer, scheduler, train_split, order, batch,
             clock=clock, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}")
         train_time = time.perf_counter() - started
 
         rank_samples = len(order)
         rank_loss = loss_sum.item() / rank_samples
         train_sums = all_sum(torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples)]), rank)
-        check_finite(run.mode, epoch + 1, train_sums[0], first_bad_step, rank)
+        losses = losses.tolist()  # one copy per epoch
+        check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
         val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size), rank)
         epoch_time = time.perf_counter() - started
         # One exchange per epoch: every rank's times, and its weights' checksum to prove they agree.
@@ -289,7 +288,8 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             **clock.totals(),
             "peak_memory_mb": peak_memory_mb(device),
             "weight_checksum": checksums[rank.rank],
-            "step_losses": [(s, value.item()) for s, value in step_losses],
+            "step_losses": [(first_step + i, value) for i, value in enumerate(losses)
+                            if run.log_every_n_steps and (first_step + i) % run.log_every_n_steps == 0],
         }
         history.append(metrics)
         if rank.is_main:

@@ -302,23 +302,20 @@ class Untracked:
         pass
 
 
-def fail_unfinished(config: TrackingConfig, ids: dict) -> list[str]:
+def fail_unfinished(config: TrackingConfig, ids: dict) -> None:
     """Ends FAILED every run of a training (parent and children) still RUNNING: what the launcher
-    does when a worker died without a word. Returns the ids it ended."""
+    does when a worker died without a word."""
     if not config.enabled or not ids:
-        return []
+        return
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri())
-    ended = []
     for run_id in [ids["parent"], *ids.get("children", {}).values()]:
         try:
             if client.get_run(run_id).info.status == "RUNNING":
                 client.set_terminated(run_id, "FAILED")
-                ended.append(run_id)
         except Exception as exc:  # the training's own error is the one to report
             log.warning("could not mark MLflow run %s FAILED: %s", run_id, exc)
-    return ended
 
 
 def log_to_mode_run(config: TrackingConfig, ids: dict, metrics: dict[str, float], artifacts: Iterable[Path],

@@ -9,7 +9,8 @@
 #      to an MLflow server on the host, as `--network host -e MLFLOW_TRACKING_URI=...` does.
 # Everything lives under IMAGE_CHECK_DIR (default /var/tmp/mnist-image-check); the base is reused,
 # and so is the image with IMAGE_CHECK_REUSE_IMAGE=1 (to iterate on the steps after the build).
-# Needs root (buildah with vfs), Debian's package mirror, and MNIST_SOURCE (default: ../shared/data/mnist).
+# Needs root (buildah with vfs), a Debian mirror (this machine's apt one, or IMAGE_CHECK_DEBIAN_MIRROR),
+# and MNIST_SOURCE (default: ../shared/data/mnist).
 #
 # STAND-IN: what it reproduces of the real base, and what it cannot.
 #   Reproduced: a minimal distribution userland with no Python (the Dockerfile installs its own);
@@ -47,9 +48,23 @@ fi
 bah() { buildah --storage-driver vfs --root "$work/storage" --runroot "$work/run" "$@"; }
 step() { printf '\n== %s (%ds)\n' "$*" "$SECONDS"; }
 
+# The Debian mirror this machine's apt uses (deb822 or one-line sources), unless
+# IMAGE_CHECK_DEBIAN_MIRROR names another.
+debian_mirror() {
+    local mirror=${IMAGE_CHECK_DEBIAN_MIRROR:-}
+    if [ -z "$mirror" ]; then
+        mirror=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/*.sources 2>/dev/null || true)
+    fi
+    if [ -z "$mirror" ]; then
+        mirror=$(awk '$1 == "deb" {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+    fi
+    [ -n "$mirror" ] || { echo "no Debian mirror in /etc/apt: set IMAGE_CHECK_DEBIAN_MIRROR" >&2; exit 1; }
+    echo "$mirror"
+}
+
 make_base() {
     rm -rf "$work/rootfs"
-    debootstrap --variant=minbase bookworm "$work/rootfs" http://deb.debian.org/debian >"$work/debootstrap.log"
+    debootstrap --variant=minbase bookworm "$work/rootfs" "$(debian_mirror)" >"$work/debootstrap.log"
     # ubuntu:24.04's own user: uid and gid 1000, the ids the Dockerfile's user needs.
     chroot "$work/rootfs" groupadd --gid 1000 ubuntu
     chroot "$work/rootfs" useradd --create-home --uid 1000 --gid 1000 --shell /bin/bash --comment Ubuntu ubuntu
