@@ -31,7 +31,7 @@ def run_once(project: Path, mode: str, tracking: bool, env: dict) -> tuple[float
     params["tracking"]["enabled"] = tracking
     (project / "params.yaml").write_text(yaml.safe_dump(params))
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "pipeline", "train", "--mode", mode], cwd=project, env=env, check=True,
+    subprocess.run([sys.executable, "-m", "stages", "train", "--mode", mode], cwd=project, env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - started
     loop = json.loads((project / "metrics/train" / f"{mode}.json").read_text())["train_time_s"]
@@ -53,7 +53,7 @@ def main() -> None:
             env["MNIST_SOURCE"] = str(Path(env["MNIST_SOURCE"]).resolve())
         env.pop("MLFLOW_TRACKING_URI", None)
         shutil.copy(ROOT / "params.yaml", project / "params.yaml")
-        subprocess.run([sys.executable, "-m", "pipeline", "prepare"], cwd=project, env=env, check=True,
+        subprocess.run([sys.executable, "-m", "stages", "prepare"], cwd=project, env=env, check=True,
                        stdout=subprocess.DEVNULL)
         results: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
         for _ in range(args.repeats):

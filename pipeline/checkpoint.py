@@ -11,6 +11,7 @@ import torch
 
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
+from pipeline.parallel import Rank, all_gather_objects, broadcast_object
 
 CHECKPOINT_FILE = "checkpoint.pt"
 MODEL_FILE = "model.pt"
@@ -40,3 +41,35 @@ def load_checkpoint(path: Path, expected: dict[str, Any]) -> dict[str, Any]:
             "restore them or train from scratch without --resume"
         )
     return state
+
+
+def resume_state(path: Path, expected: dict[str, Any], asked: bool, restarted: bool, rank: Rank) -> dict[str, Any] | None:
+    """The state to continue from, or None to start afresh, the same on every rank.
+
+    Nodes have disks of their own, and only the node that held rank 0 wrote checkpoints; after a
+    restart, rank 0 may be on another node. So every rank says which epoch its disk holds, and the
+    lowest rank with the newest checkpoint reads it and sends it to all: a rank that decided by
+    its own disk would start over while the others go on. Call it inside the process group, before
+    wrapping for DDP. `asked`: --resume (no checkpoint anywhere is an error); `restarted`: torchrun
+    restarted the workers, so continue if any node holds a checkpoint.
+    """
+    if not (asked or restarted):
+        return None
+    epoch, problem = -1, None
+    if path.is_file():
+        try:
+            state = load_checkpoint(path, expected)
+            epoch = state["epoch"]
+        except PipelineError as exc:
+            problem = str(exc)
+    found = all_gather_objects((epoch, rank.rank, problem), rank)
+    newest, source, _ = max(found, key=lambda item: (item[0], -item[1]))
+    if newest >= 0:
+        return broadcast_object(state if rank.rank == source else None, rank, src=source)
+    # Every rank raises the same error, so none waits on the others.
+    problems = list(dict.fromkeys(problem for _, _, problem in found if problem))  # once per node
+    if problems:  # a checkpoint is there but cannot be continued: never overwrite it silently
+        raise PipelineError("; ".join(problems))
+    if asked:
+        raise PipelineError(f"{path}: no checkpoint to resume from on any node; train without --resume first")
+    return None

@@ -27,6 +27,8 @@ PRIMITIVES = ("send_recv", "isend_irecv", "broadcast", "reduce", "all_reduce", "
 ELEMENT_BYTES = 4  # float32
 EXACT_LIMIT = 2**24  # float32 represents every integer up to here
 MAX_VALUE = 4096  # distinct values for up to 4096 ranks; fewer when more ranks must sum below EXACT_LIMIT
+# A rank's point-to-point peer is another rank: with one rank there is none to talk to.
+POINT_TO_POINT = ("send_recv", "isend_irecv")
 # The ones whose per-rank buffer holds one chunk per peer: their message is the whole buffer.
 CHUNKED = ("all_gather", "gather", "scatter", "reduce_scatter", "all_to_all")
 
@@ -203,10 +205,15 @@ def measure(primitive: str, rank: Rank, per_rank_bytes: int, device, warmup: int
     return statistics.median(times), case.check()
 
 
+def checkable(world_size: int) -> tuple[str, ...]:
+    """The primitives that mean something on `world_size` ranks (one GPU: no point-to-point)."""
+    return PRIMITIVES if world_size > 1 else tuple(p for p in PRIMITIVES if p not in POINT_TO_POINT)
+
+
 def sweep(rank: Rank, device, config) -> dict:
     """Every primitive at every size on this rank: {"timings": [...], "failures": {primitive: ...}}."""
     timings, failures = [], {}
-    for primitive in PRIMITIVES:
+    for primitive in checkable(rank.world_size):
         # A barrier carries no payload: one measurement, its latency.
         for size in [0] if primitive == "barrier" else sizes(config.min_bytes, config.max_bytes, config.factor):
             seconds, mismatch = measure(primitive, rank, size, device, config.warmup, config.iters)

@@ -20,6 +20,7 @@ from pipeline.errors import ConfigError
 
 MODES = ("single", "dp", "ddp")
 MODELS = ("small", "classic")
+LAUNCHERS = ("local", "slurm")
 MNIST_TRAIN_SIZE = 60_000
 
 
@@ -66,8 +67,14 @@ class TrainConfig:
     lr: float = field(default=0.01, metadata=_positive())
     weight_decay: float = field(default=0.0, metadata=_at_least(0))
     seed: int = 42
-    # DDP workers on this node; 0 = one per GPU, or 2 on a CPU-only host.
+    # DDP workers on this node (with slurm: on each node); 0 = one per GPU, or 2 on a CPU-only host
+    # (under slurm: one per GPU Slurm gives the node, else 1).
     nproc: int = field(default=0, metadata=_at_least(0))
+    # How ddp starts: "local" (torchrun's launcher on this machine) or "slurm" (`sbatch --wait
+    # deploy/slurm/train.sbatch`, one torchrun per node; this directory must be shared by the nodes).
+    launcher: str = field(default="local", metadata=_rule(lambda v: v in LAUNCHERS, f"one of {LAUNCHERS}"))
+    # slurm: the nodes the ddp job asks for.
+    nodes: int = field(default=1, metadata=_at_least(1))
     # CUDA only: bf16 autocast and channels_last memory format.
     bf16: bool = True
     channels_last: bool = True

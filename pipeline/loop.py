@@ -162,16 +162,21 @@ class Training:
     log_every_n_steps: int = 0
 
 
-def build(config: TrainConfig, steps: int, device: torch.device, mode: str):
+def build(config: TrainConfig, steps: int, device: torch.device):
+    """The bare model with its optimizer and schedule; `wrap_for_mode` wraps it once any saved
+    state is loaded, so DDP's first broadcast already sends the resumed weights."""
     torch.manual_seed(config.seed)  # identical initial weights on every rank and in every mode
     model = build_model(config.model).to(device)
     if device.type == "cuda" and config.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    # Autocast inside the module that DataParallel replicates (see pipeline.precision).
-    wrapped = wrap(with_autocast(model, device, autocast_dtype(device, config.bf16)), mode, device)
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=steps)
-    return model, wrapped, optimizer, scheduler
+    return model, optimizer, scheduler
+
+
+def wrap_for_mode(model: nn.Module, config: TrainConfig, device: torch.device, mode: str) -> nn.Module:
+    # Autocast inside the module that DataParallel replicates (see pipeline.precision).
+    return wrap(with_autocast(model, device, autocast_dtype(device, config.bf16)), mode, device)
 
 
 def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, batch: int,
@@ -223,16 +228,17 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
     config, rank, device = run.config, run.rank, run.device
     batch = per_rank_batch(config.batch_size, rank.world_size)
     steps = steps_per_epoch(len(train_split), config.batch_size, rank.world_size)
-    model, wrapped, optimizer, scheduler = build(config, config.epochs * steps, device, run.mode)
+    model, optimizer, scheduler = build(config, config.epochs * steps, device)
     checkpoint_path = run.out_dir / CHECKPOINT_FILE
 
     start_epoch, history = 0, []
-    if run.resume_state is not None:
+    if run.resume_state is not None:  # the same state on every rank: rank 0 read and sent it
         state = run.resume_state
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, history = state["epoch"], state["history"]
+    wrapped = wrap_for_mode(model, config, device, run.mode)
 
     val_indices = torch.arange(rank.rank, len(val_split), rank.world_size)
     # The devices whose peak memory is reported: DataParallel's GPUs, or this rank's device.

@@ -40,8 +40,27 @@ class Rank:
         return self.rank == 0
 
 
+WORKER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
 def under_torchrun() -> bool:
-    return all(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    """True in a worker that torchrun (or a launcher that sets what it sets) started."""
+    present = [key for key in WORKER_VARS if key in os.environ]
+    if present and len(present) < len(WORKER_VARS):
+        # Kubeflow's legacy PyTorchJob runs a plain `python` per pod with RANK and WORLD_SIZE but
+        # no LOCAL_RANK. Guessing would pick the wrong GPU, or launch a private job of our own.
+        missing = ", ".join(key for key in WORKER_VARS if key not in os.environ)
+        raise PipelineError(
+            f"{', '.join(present)} set but {missing} not: this process was started by a launcher that "
+            "is not torchrun (e.g. Kubeflow's legacy PyTorchJob without torchrun). Start the workers "
+            "with torchrun (`torchrun ... -m stages train --mode ddp`, as Kubeflow Trainer's "
+            "torch-distributed runtime does), or unset them to let `mnist-pipeline` launch its own")
+    return bool(present)
+
+
+def nodes(rank: Rank) -> int:
+    """The machines the job spans (torchrun starts the same number of workers on each)."""
+    return rank.world_size // rank.local_world_size
 
 
 def rank_from_env() -> Rank:
@@ -144,6 +163,16 @@ def _attempt_store(rank: Rank) -> dist.Store:
 @contextmanager
 def process_group(rank: Rank, device: torch.device) -> Iterator[None]:
     """The one place the process group is set up and torn down, whatever happens in between."""
+    if dist.is_initialized():
+        # The launcher made the group (Ray Train's TorchTrainer does, then runs training in a
+        # thread): use it as it is, and leave it to the launcher to tear down.
+        if dist.get_world_size() != rank.world_size or dist.get_rank() != rank.rank:
+            raise PipelineError(
+                f"rank {rank.rank}: the process group already set up is rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, but RANK/WORLD_SIZE say {rank.rank} of {rank.world_size}")
+        log.info("using the process group the launcher set up (%s)", dist.get_backend())
+        yield
+        return
     backend = backend_for(device)
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     dist.init_process_group(backend, store=_attempt_store(rank), rank=rank.rank, world_size=rank.world_size,
@@ -178,12 +207,12 @@ def dp_device_count(device: torch.device) -> int:
     return torch.cuda.device_count() if device.type == "cuda" else 1
 
 
-def broadcast_object(value, rank: Rank):
-    """A value made on rank 0 (a run id, a timestamp), the same on every rank."""
+def broadcast_object(value, rank: Rank, src: int = 0):
+    """A value made on rank `src` (a run id, a checkpoint), the same on every rank."""
     if rank.world_size == 1:
         return value
-    box = [value if rank.is_main else None]
-    dist.broadcast_object_list(box, src=0)
+    box = [value if rank.rank == src else None]
+    dist.broadcast_object_list(box, src=src)
     return box[0]
 
 

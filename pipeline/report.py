@@ -21,7 +21,8 @@ class ModeResult:
         """How many devices the mode trained on: what a perfect speed-up would equal. On a CPU
         every mode shares the same cores, so ranks add no hardware and the ideal stays 1x."""
         if self.train["device"] == "cpu":
-            return 1
+            # Ranks on one machine share its cores; each further machine adds its own.
+            return self.train.get("nodes", 1) if self.mode == "ddp" else 1
         if self.mode == "ddp":
             return self.train["world_size"]
         if self.mode == "dp":
@@ -46,6 +47,9 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
         rows.append({
             "mode": r.mode,
             "world_size": r.train["world_size"],
+            # DDP's ranks as machines x processes on each (older metrics files lack the split).
+            "layout": (f"{r.train['nodes']} × {r.train['procs_per_node']}"
+                       if r.mode == "ddp" and "nodes" in r.train else None),
             "device": r.train["device_name"] + (" (bare module: no GPU to split over)" if r.bare_dp else ""),
             "epochs": r.train["epochs"],
             "samples_per_s": r.train["samples_per_s"],
@@ -65,13 +69,14 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
     lines = [
         "# Data-parallel modes compared",
         "",
-        "| mode | world size | device | epochs | samples/s | speed-up over single | scaling efficiency "
+        "| mode | world size (nodes × processes) | device | epochs | samples/s | speed-up over single | scaling efficiency "
         "| training time (s) | test accuracy |",
         "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
+        world = f"{row['world_size']} ({row['layout']})" if row["layout"] else str(row["world_size"])
         lines.append(
-            f"| {row['mode']} | {row['world_size']} | {row['device']} | {row['epochs']} | "
+            f"| {row['mode']} | {world} | {row['device']} | {row['epochs']} | "
             f"{row['samples_per_s']:,.0f} | {_fmt(row['speedup'], '.2f')}x | "
             f"{_fmt(row['scaling_efficiency'], '.0%')} | {row['train_time_s']:.1f} | {row['test_accuracy']:.2%} |"
         )

@@ -23,7 +23,7 @@ from typing import Any, Iterable, Iterator
 from pipeline.config import TrackingConfig
 from pipeline.errors import PipelineError
 from pipeline.lifecycle import stop_signals_unwind
-from pipeline.parallel import Rank, all_gather_objects, broadcast_object
+from pipeline.parallel import Rank, all_gather_objects, broadcast_object, nodes
 
 log = logging.getLogger(__name__)
 # A run prints the project's own lines. MLflow's INFO lines (schema migrations, "Skip logging GPU
@@ -84,6 +84,22 @@ def check_store(uri: str) -> None:
     # moment get "database is locked". The mode is stored in the file, so setting it once is enough.
     with closing(sqlite3.connect(path, timeout=30)) as db:
         db.execute("PRAGMA journal_mode=WAL")
+
+
+def check_worker_store(rank: Rank) -> None:
+    """In each DDP worker, before the process group: with ranks on several machines, a store that
+    is a file on one machine's disk would split the runs across machines (each node its own
+    mlflow.db), so every rank refuses it alike; rank 0 also checks that the store answers."""
+    uri = tracking_uri()
+    local_file = uri.startswith(("sqlite:", "file:")) or "://" not in uri
+    if nodes(rank) > 1 and local_file:
+        raise PipelineError(
+            f"rank {rank.rank}: the ranks run on {nodes(rank)} nodes, but the tracking store is {uri}, a file "
+            "on each node's own disk. Set MLFLOW_TRACKING_URI on every node to one tracking server they all "
+            "reach (e.g. `mlflow server --host 0.0.0.0 --port 5000` on one machine, then "
+            "MLFLOW_TRACKING_URI=http://THAT_HOST:5000), or set tracking.enabled: false")
+    if rank.is_main:
+        check_store(uri)
 
 
 def git_facts() -> dict[str, str]:
@@ -255,10 +271,9 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
     if config.system_metrics and rank.local_rank == 0:
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        multi_node = rank.world_size > rank.local_world_size
         monitor = SystemMetricsMonitor(parent_id, sampling_interval=config.system_metrics_interval_s,
                                        resume_logging=bool(resume), tracking_uri=uri,
-                                       node_id=socket.gethostname() if multi_node else None)
+                                       node_id=socket.gethostname() if nodes(rank) > 1 else None)
         monitor.start()
     return ModeRun(config, rank, uri, experiment_id, parent_id, child_id, children, monitor, client)
 

@@ -10,13 +10,14 @@ from pipeline.atomic import write_json
 from pipeline.config import Config, flatten, load_config
 from pipeline.errors import PipelineError
 from stages.common import params_option
-from stages.workers import launch_workers, run_facts
+from stages.workers import launch_workers, run_facts, submit_to_slurm
 
 METRICS_FILE = Path("metrics/comm.json")
 # What training depends on: the verdict alone, which stays the same run after run on the same
 # hardware (timings do not). The stage runs on every `dvc repro` (always_changed: the hardware is no
 # file DVC can hash), and training reruns only when the verdict changes.
 VERDICT_FILE = Path("checks/comm.json")
+LOG_DIR = Path("checks/logs")  # the Slurm job's output, with train.launcher: slurm
 
 
 def table(rows: list[dict]) -> str:
@@ -29,9 +30,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def per_primitive(rows: list[dict]) -> dict:
+def per_primitive(rows: list[dict], primitives: tuple[str, ...]) -> dict:
     summary = {}
-    for primitive in comm.PRIMITIVES:
+    for primitive in primitives:
         mine = [r for r in rows if r["primitive"] == primitive]
         summary[primitive] = {"passed": True, "latency_us": mine[0]["time_us"]}
         if primitive != "barrier":
@@ -46,8 +47,8 @@ def run_worker(config: Config) -> None:
     if device.type == "cpu":
         parallel.limit_cpu_threads(rank)
     backend = parallel.backend_for(device)
-    if config.tracking.enabled and rank.is_main:
-        tracking.check_store(tracking.tracking_uri())
+    if config.tracking.enabled:
+        tracking.check_worker_store(rank)
     with parallel.process_group(rank, device):
         params = {k: v for k, v in flatten(config).items() if k.startswith("commcheck.")}
         runs = tracking.start_mode_run(config.tracking, "commcheck", rank,
@@ -71,12 +72,13 @@ def run_worker(config: Config) -> None:
                 # The hardware the verdict holds for: another backend, rank count or device retrains.
                 facts = {"world_size": rank.world_size, "backend": backend, "device": device.type,
                          "devices": devices}
+                checked = comm.checkable(rank.world_size)
                 write_json(METRICS_FILE, {"enabled": True, "passed": True, **facts, "host": socket.gethostname(),
-                                          "primitives": per_primitive(rows), "sweep": rows})
-                write_json(VERDICT_FILE, {"enabled": True, "passed": True, **facts,
-                                          "primitives": list(comm.PRIMITIVES)})
-                click.echo(f"commcheck: all {len(comm.PRIMITIVES)} primitives passed on {rank.world_size} ranks "
-                           f"({backend})")
+                                          "primitives": per_primitive(rows, checked), "sweep": rows})
+                write_json(VERDICT_FILE, {"enabled": True, "passed": True, **facts, "primitives": list(checked)})
+                skipped = [p for p in comm.PRIMITIVES if p not in checked]
+                click.echo(f"commcheck: all {len(checked)} primitives passed on {rank.world_size} ranks ({backend})"
+                           + (f"; {', '.join(skipped)} need a second rank" if skipped else ""))
 
 
 @click.command()
@@ -93,4 +95,8 @@ def commcheck(params_path: str) -> None:
     else:
         if config.tracking.enabled:
             tracking.check_store(tracking.tracking_uri())
-        launch_workers(config, ["commcheck", "--params", params_path])
+        command = ["commcheck", "--params", params_path]
+        if config.train.launcher == "slurm":  # across the nodes training will use, not on this one
+            submit_to_slurm(config, command, LOG_DIR)
+        else:
+            launch_workers(config, command)

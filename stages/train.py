@@ -13,13 +13,14 @@ import torch
 
 from pipeline import parallel, tracking
 from pipeline.atomic import save_torch, writable_folder, write_json, write_text
-from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, load_checkpoint, trajectory
+from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, resume_state, trajectory
 from pipeline.config import MODES, Config, flatten, load_config
+from pipeline.errors import PipelineError
 from pipeline.loop import Training, to_device
 from pipeline.loop import train as train_model
 from pipeline.prepared import Split, load_prepared, load_stats
 from stages.common import model_dir, params_option, read_run_ids, run_ids_file
-from stages.workers import launch_workers, run_facts
+from stages.workers import launch_workers, run_facts, submit_to_slurm
 
 log = logging.getLogger(__name__)
 METRICS_DIR = Path("metrics/train")
@@ -34,6 +35,8 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
     return {
         "mode": mode,
         "world_size": rank.world_size,
+        "nodes": parallel.nodes(rank),
+        "procs_per_node": rank.local_world_size,
         "backend": parallel.backend_for(device) if mode == "ddp" else None,
         "device": device.type,
         "device_name": parallel.device_name(device),
@@ -76,10 +79,8 @@ def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, res
     device = parallel.pick_device(rank)
     if mode == "ddp" and device.type == "cpu":
         parallel.limit_cpu_threads(rank)
-    checkpoint = out / CHECKPOINT_FILE
-    resume = resume or (parallel.restarted_by_torchrun() and checkpoint.is_file())
-    if config.tracking.enabled and rank.is_main:
-        tracking.check_store(tracking.tracking_uri())
+    if config.tracking.enabled:
+        tracking.check_worker_store(rank)
 
     with parallel.process_group(rank, device) if mode == "ddp" else nullcontext():
         data = load_prepared(data_dir, ("train", "val"))
@@ -91,8 +92,9 @@ def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, res
 
         params = {**flatten(config), "world_size": rank.world_size,
                   "per_rank_batch_size": parallel.per_rank_batch(config.train.batch_size, rank.world_size)}
-        # Read once: the loop continues from it, tracking reopens the runs it names.
-        state = load_checkpoint(checkpoint, trajectory(config.train, mode)) if resume else None
+        # Read once, on rank 0, and sent to all: the loop continues from it, tracking reopens the runs it names.
+        state = resume_state(out / CHECKPOINT_FILE, trajectory(config.train, mode), asked=resume,
+                             restarted=parallel.restarted_by_torchrun(), rank=rank)
         facts = run_facts(mode, rank, device, distributed=mode == "ddp")
         runs = tracking.start_mode_run(config.tracking, mode, rank, facts, params,
                                        state.get("extra", {}).get("mlflow") if state else None)
@@ -131,7 +133,8 @@ def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.R
 @click.option("--data-dir", default="data/prepared", show_default=True, type=click.Path(file_okay=False))
 @click.option("--resume", is_flag=True, help="Continue from models/<mode>/checkpoint.pt.")
 def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
-    """Train one mode. For ddp, starts one worker per device unless already under torchrun."""
+    """Train one mode. For ddp, starts one worker per device (or submits the Slurm job, with
+    train.launcher: slurm) unless already under torchrun."""
     config = load_config(params_path)
     if parallel.rank_from_env().is_main:  # before any work: training is lost if it cannot be saved
         for folder in (model_dir(mode), METRICS_DIR, CURVES_DIR):
@@ -140,11 +143,23 @@ def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
         tracking.check_store(tracking.tracking_uri())
     if mode == "ddp" and not parallel.under_torchrun():
         # Fail here, before any worker starts, on what would fail in every worker.
-        parallel.per_rank_batch(config.train.batch_size, config.train.nproc or parallel.default_nproc())
+        workers = config.train.nproc or (1 if config.train.launcher == "slurm" else parallel.default_nproc())
+        nodes = config.train.nodes if config.train.launcher == "slurm" else 1
+        parallel.per_rank_batch(config.train.batch_size, workers * nodes)
+        if config.tracking.enabled:  # a store on one node's disk cannot take ranks from several
+            tracking.check_worker_store(parallel.Rank(world_size=workers * nodes, local_world_size=workers))
         load_stats(Path(data_dir))
+        command = (["train", "--mode", "ddp", "--params", params_path, "--data-dir", data_dir]
+                   + (["--resume"] if resume else []))
         try:
-            launch_workers(config, ["train", "--mode", "ddp", "--params", params_path, "--data-dir", data_dir]
-                           + (["--resume"] if resume else []))
+            if config.train.launcher == "slurm":
+                submit_to_slurm(config, command, model_dir(mode) / "logs")
+                if not (model_dir(mode) / MODEL_FILE).is_file():
+                    raise PipelineError(
+                        f"the Slurm job ended, but {model_dir(mode) / MODEL_FILE} is not here: rank 0 wrote it on "
+                        "its node's disk. Submit from a directory every node shares")
+            else:
+                launch_workers(config, command)
         except BaseException:
             # A worker killed outright (SIGKILL, out of memory) could not end its own run: the
             # launcher ends every run of this training that is still RUNNING.

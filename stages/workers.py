@@ -1,19 +1,52 @@
 """For the stages that run one process per device: launching them, and describing where they ran."""
 
+import os
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import click
 import torch
 
 from pipeline import parallel
 from pipeline.config import Config
+from pipeline.errors import PipelineError
+
+SBATCH_SCRIPT = Path("deploy/slurm/train.sbatch")
 
 
 def launch_workers(config: Config, command: list[str]) -> None:
     """Run `mnist-pipeline <command>` as one worker per device, as torchrun would."""
     nproc = config.train.nproc or parallel.default_nproc()
     click.echo(f"{command[0]}: launching {nproc} workers")
-    parallel.launch_workers(nproc, [sys.executable, "-m", "pipeline", *command])
+    parallel.launch_workers(nproc, [sys.executable, "-m", "stages", *command])
+
+
+def submit_to_slurm(config: Config, command: list[str], log_dir: Path) -> None:
+    """Run `mnist-pipeline <command>` as a Slurm job of train.nodes nodes and wait for it: the
+    sbatch script starts one torchrun per node. The job writes into this directory, which the
+    nodes share, so what it makes is here when sbatch returns."""
+    if shutil.which("sbatch") is None:
+        raise PipelineError("train.launcher is slurm, but sbatch is not on PATH: run this on a Slurm login "
+                            "node, or set train.launcher: local")
+    if not SBATCH_SCRIPT.is_file():
+        raise PipelineError(f"{SBATCH_SCRIPT}: missing; run from the project's root directory")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if config.train.nproc:
+        env["NPROC_PER_NODE"] = str(config.train.nproc)
+    output = log_dir / "slurm-%j.out"
+    click.echo(f"{command[0]}: submitting to Slurm ({config.train.nodes} node(s)), waiting; log: {output}")
+    sbatch = ["sbatch", "--wait", "--parsable", "--nodes", str(config.train.nodes), "--output", str(output),
+              str(SBATCH_SCRIPT), *command]
+    done = subprocess.run(sbatch, env=env, stdout=subprocess.PIPE, text=True)
+    job = done.stdout.strip().split(";")[0]
+    if done.returncode != 0:
+        where = str(output).replace("%j", job) if job else str(log_dir)
+        raise PipelineError(f"Slurm job {job or '(not submitted)'} failed (sbatch exit code {done.returncode}); "
+                            f"see {where}")
+    click.echo(f"{command[0]}: Slurm job {job} finished")
 
 
 def run_facts(mode: str, rank: parallel.Rank, device: torch.device, distributed: bool) -> dict[str, str]:

@@ -47,6 +47,14 @@ def test_every_primitive_passes_and_is_recorded(project, nproc):
     assert report["devices"][0].startswith("cpu (")
 
 
+def test_one_rank_checks_the_collectives_and_says_point_to_point_needs_two(project):
+    """One GPU on the host (nproc 0 = one per GPU), or one worker per node: no peer to send to."""
+    result = commcheck(project, 1)
+    assert "all 9 primitives passed on 1 ranks (gloo); send_recv, isend_irecv need a second rank" in result.stdout
+    verdict = json.loads((project / "checks/comm.json").read_text())
+    assert verdict["primitives"] == [p for p in PRIMITIVES if p not in ("send_recv", "isend_irecv")]
+
+
 def test_a_corrupted_rank_is_caught_and_named(project):
     (project / "metrics/comm.json").unlink(missing_ok=True)
     result = commcheck(project, 4, check=False, MNIST_PIPELINE_CORRUPT="all_reduce:2")

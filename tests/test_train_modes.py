@@ -68,7 +68,7 @@ def test_outer_torchrun_restart_resumes_automatically(small_project):
     from tests.conftest import project_env, run
 
     proc = run(["torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                "-m", "pipeline", "train", "--mode", "ddp"], small_project,
+                "-m", "stages", "train", "--mode", "ddp"], small_project,
                **project_env(small_project, MNIST_PIPELINE_CRASH_AFTER_EPOCH="1"))
     assert "launching" not in proc.stdout  # workers, not a second launcher
     assert "crashing after epoch 1" in proc.stderr

@@ -1,0 +1,327 @@
+"""DDP across two hosts, for real: two network namespaces stand in for two machines (tests/hosts.py),
+each with its own working directory, as nodes have their own disks. Every rank logs to one real
+`mlflow server` (PostgreSQL backend, proxied artifacts) running on node-a. Then the same training
+under a real Slurm cluster (slurmctld + one slurmd per host), submitted by `dvc repro`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    SMALL,
+    load_weights,
+    make_project,
+    max_abs_diff,
+    project_env,
+    relative_difference,
+    run,
+    subprocess_env,
+    train_cli,
+)
+from tests.hosts import INTERFACE, TwoHosts, skip_reason, wait_until
+
+pytestmark = [pytest.mark.multinode,
+              pytest.mark.skipif(skip_reason() is not None, reason=f"multinode: {skip_reason()}")]
+
+PARENT = "mlflow.parentRunId"
+SERVER_PORT = 5000
+RDZV_PORT = 29400
+TWO_NODE_TIMEOUT_S = 420
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with TwoHosts() as pair:
+        yield pair
+
+
+def _as_postgres(*argv: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(["runuser", "-u", "postgres", "--", *argv], check=True, capture_output=True,
+                          text=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def postgres():
+    """A PostgreSQL server of the test's own, reached through a Unix socket in its folder (every
+    namespace sees the file system, so both hosts' processes can reach it). Yields the folder."""
+    if shutil.which("initdb") is None or shutil.which("runuser") is None:
+        pytest.fail("PostgreSQL's initdb (or runuser) is missing; `make test` installs it")
+    home = Path(tempfile.mkdtemp(prefix="mnp-pg-"))
+    shutil.chown(home, "postgres", "postgres")  # postgres refuses to run as root
+    _as_postgres("initdb", "--auth=trust", "--username=postgres", "-D", str(home / "data"))
+    server = subprocess.Popen(["runuser", "-u", "postgres", "--", "postgres", "-D", str(home / "data"), "-k",
+                               str(home), "-c", "listen_addresses="], stdout=subprocess.DEVNULL,
+                              stderr=open(home / "postgres.log", "w"))  # noqa: SIM115 (lives with the server)
+    try:
+        wait_until(lambda: (home / ".s.PGSQL.5432").exists(), "PostgreSQL socket", timeout=60,
+                   diagnose=lambda: (home / "postgres.log").read_text())
+        _as_postgres("psql", "-h", str(home), "-U", "postgres", "-c", "CREATE DATABASE mlflow")
+        yield home
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def tracking_server(hosts, postgres, tmp_path_factory):
+    """`mlflow server` on node-a, every node's ranks log to it: PostgreSQL for runs and metrics,
+    artifacts proxied through the server into its own folder."""
+    node_a = hosts[0]
+    home = tmp_path_factory.mktemp("mlflow-server")
+    server = node_a.popen(
+        ["mlflow", "server", "--host", "0.0.0.0", "--port", str(SERVER_PORT), "--workers", "1",
+         "--backend-store-uri", f"postgresql+psycopg://postgres@/mlflow?host={postgres}",
+         "--artifacts-destination", str(home / "artifacts")],
+        cwd=home, env=subprocess_env(), log=home / "server.log")
+    uri = f"http://{node_a.address}:{SERVER_PORT}"
+    try:
+        wait_until(lambda: _answers(node_a, uri), "mlflow server on node-a", timeout=180, interval=2,
+                   diagnose=lambda: (home / "server.log").read_text()[-3000:])
+        yield uri
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+
+
+def _answers(host, uri: str) -> bool:
+    probe = f"import urllib.request; urllib.request.urlopen('{uri}/health', timeout=2)"
+    return host.run(["python", "-c", probe], cwd=Path("/"), env=subprocess_env(), timeout=30).returncode == 0
+
+
+def server_runs(host, uri: str) -> list[dict]:
+    """Every run of the pipeline's experiment as the server has it (asked from node-a)."""
+    code = (
+        "import json, mlflow\n"
+        f"client = mlflow.MlflowClient('{uri}')\n"
+        "exp = client.get_experiment_by_name('mnist-data-parallel')\n"
+        "runs = client.search_runs([exp.experiment_id], max_results=500)\n"
+        "print(json.dumps([{'id': r.info.run_id, 'name': r.info.run_name, 'status': r.info.status,\n"
+        "  'tags': r.data.tags, 'metrics': sorted(r.data.metrics),\n"
+        "  'artifacts': [a.path for a in client.list_artifacts(r.info.run_id)]} for r in runs]))\n")
+    proc = host.run(["python", "-c", code], cwd=Path("/"), env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def node_dirs(project: Path, root: Path) -> list[Path]:
+    """One working directory per node, each with its own copy of the code and the prepared data."""
+    dirs = []
+    for name in ("node-a", "node-b"):
+        dirs.append(shutil.copytree(project, root / name, ignore=shutil.ignore_patterns(
+            "models", "mlflow.db*", "mlartifacts", "metrics", "plots")))
+    return dirs
+
+
+def train_on_two_hosts(hosts, dirs: list[Path], uri: str, logs: Path, **env: str) -> list[str]:
+    """One torchrun agent per host, as a user would start them by hand (README, "Beyond one
+    machine"); returns each host's output."""
+    job = uuid.uuid4().hex[:8]
+    procs = []
+    for host, folder in zip(hosts, dirs):
+        is_host = int(host is hosts[0])
+        argv = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"{hosts[0].address}:{RDZV_PORT}", "--rdzv-id", job,
+                "--rdzv-conf", f"is_host={is_host}", "--local-addr", host.address, "--max-restarts", "1",
+                "-m", "stages", "train", "--mode", "ddp"]
+        procs.append(host.popen(argv, cwd=folder, log=logs / f"{host.name}.log", env=subprocess_env(
+            **project_env(folder, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=uri, **env))))
+    outputs = []
+    for host, proc in zip(hosts, procs):
+        try:
+            proc.wait(timeout=TWO_NODE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                os.killpg(other.pid, 9)
+        outputs.append((logs / f"{host.name}.log").read_text())
+    for host, proc, out in zip(hosts, procs, outputs):
+        assert proc.returncode == 0, f"{host.name} exited {proc.returncode}:\n{out[-6000:]}"
+    return outputs
+
+
+def rank0_dir(dirs: list[Path]) -> Path:
+    """The node whose disk holds the outputs: wherever rank 0 ran."""
+    (found,) = [d for d in dirs if (d / "models/ddp/model.pt").is_file()]
+    return found
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(hosts, tracking_server, small_project, tmp_path_factory):
+    root = tmp_path_factory.mktemp("two-hosts")
+    dirs = node_dirs(small_project, root)
+    outputs = train_on_two_hosts(hosts, dirs, tracking_server, root)
+    return dirs, outputs
+
+
+def test_ddp_on_two_hosts_matches_single_and_logs_every_rank_to_one_server(hosts, tracking_server,
+                                                                           uninterrupted, small_project):
+    dirs, outputs = uninterrupted
+    train_cli(small_project, "single")
+    main = rank0_dir(dirs)
+    assert relative_difference(load_weights(small_project, "single"), load_weights(main, "ddp")) < 1e-3
+
+    summary = json.loads((main / "metrics/train/ddp.json").read_text())
+    assert (summary["world_size"], summary["nodes"], summary["procs_per_node"]) == (2, 2, 1)
+    for folder in dirs:  # the server has it all: no node made a store of its own
+        assert not (folder / "mlflow.db").exists() and not (folder / "mlartifacts").exists()
+
+    runs = server_runs(hosts[0], tracking_server)
+    (parent,) = [r for r in runs if r["name"] == "ddp" and PARENT not in r["tags"]]
+    children = [r for r in runs if r["tags"].get(PARENT) == parent["id"]]
+    assert parent["status"] == "FINISHED" and [c["status"] for c in children] == ["FINISHED"] * 2
+    assert {c["tags"]["host"] for c in children} == {"node-a", "node-b"}
+    assert {c["tags"]["rank"] for c in children} == {"0", "1"}
+    for child in children:  # each rank's log, uploaded through the server from its own host
+        assert f"rank-{child['tags']['rank']}.log" in child["artifacts"]
+    # One system-metrics monitor per node, each under its host name.
+    nodes = {key.split("/")[1] for key in parent["metrics"] if key.startswith("system/")}
+    assert nodes == {"node-a", "node-b"}
+    assert {"val_accuracy", "samples_per_s"} <= set(parent["metrics"])
+
+
+def test_a_crash_with_node_local_disks_resumes_to_the_uninterrupted_weights(hosts, tracking_server, uninterrupted,
+                                                                           small_project, tmp_path):
+    """Every worker dies after epoch 1; torchrun restarts them. Only rank 0's node holds the
+    checkpoint, so the other node must get the state from it, not start over."""
+    reference = load_weights(rank0_dir(uninterrupted[0]), "ddp")
+    dirs = node_dirs(small_project, tmp_path)
+    outputs = train_on_two_hosts(hosts, dirs, tracking_server, tmp_path, MNIST_PIPELINE_CRASH_AFTER_EPOCH="1")
+    both = "".join(outputs)
+    assert "crashing after epoch 1" in both
+    # Epoch 1 ran once, before the crash; after the restart every rank went on with epoch 2.
+    assert both.count("ddp epoch 1/2") == 1 and both.count("ddp epoch 2/2") == 1, both[-4000:]
+    assert max_abs_diff(reference, load_weights(rank0_dir(dirs), "ddp")) == 0.0
+    checkpoints = [d for d in dirs if (d / "models/ddp/checkpoint.pt").is_file()]
+    assert checkpoints == [rank0_dir(dirs)] or len(checkpoints) == 2  # rank 0 may move on a restart
+
+
+def test_a_store_on_a_nodes_disk_is_refused_before_training(hosts, small_project, tmp_path):
+    dirs = node_dirs(small_project, tmp_path)
+    job = uuid.uuid4().hex[:8]
+    procs = [host.popen(["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                         "--rdzv-endpoint", f"{hosts[0].address}:{RDZV_PORT}", "--rdzv-id", job,
+                         "--rdzv-conf", f"is_host={int(host is hosts[0])}", "--local-addr", host.address,
+                         "-m", "stages", "train", "--mode", "ddp"],
+                        cwd=folder, log=tmp_path / f"{host.name}.log",
+                        env=subprocess_env(**project_env(folder, GLOO_SOCKET_IFNAME=INTERFACE)))
+             for host, folder in zip(hosts, dirs)]
+    for proc in procs:
+        proc.wait(timeout=TWO_NODE_TIMEOUT_S)
+    for host, proc, folder in zip(hosts, procs, dirs):
+        out = (tmp_path / f"{host.name}.log").read_text()
+        assert proc.returncode != 0
+        assert "the ranks run on 2 nodes, but the tracking store is sqlite:///" in out, out[-3000:]
+        assert "MLFLOW_TRACKING_URI" in out and "epoch 1/2" not in out
+        assert not (folder / "mlflow.db").exists()
+
+
+# --- Slurm -------------------------------------------------------------------------------------------
+
+SLURM_CONF = """\
+ClusterName=mnist
+SlurmctldHost=node-a({a})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={munge_socket}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+ReturnToService=2
+StateSaveLocation={home}/state
+SlurmdSpoolDir={home}/spool-%n
+SlurmctldPidFile={home}/slurmctld.pid
+SlurmdPidFile={home}/slurmd-%n.pid
+SlurmctldLogFile={home}/slurmctld.log
+SlurmdLogFile={home}/slurmd-%n.log
+NodeName=node-a NodeAddr={a} CPUs=2 RealMemory=2000 State=UNKNOWN
+NodeName=node-b NodeAddr={b} CPUs=2 RealMemory=2000 State=UNKNOWN
+PartitionName=main Nodes=node-a,node-b Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+@pytest.fixture(scope="module")
+def slurm(hosts):
+    """A real Slurm cluster over the two hosts: munged, slurmctld on node-a, one slurmd per host.
+    Yields the environment that points Slurm's commands at it."""
+    if shutil.which("slurmctld") is None or shutil.which("munged") is None:
+        pytest.fail("slurm-wlm and munge are missing; `make test` installs them")
+    home = Path(tempfile.mkdtemp(prefix="mnp-slurm-"))
+    (home / "state").mkdir()
+    key, socket_path = home / "munge.key", home / "munge.socket"
+    subprocess.run(["mungekey", "--create", "--keyfile", str(key)], check=True, capture_output=True)
+    munged = subprocess.Popen(["munged", "--foreground", "--key-file", str(key), "--socket", str(socket_path),
+                               "--pid-file", str(home / "munged.pid"), "--log-file", str(home / "munged.log"),
+                               "--seed-file", str(home / "munged.seed"), "--force"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    conf = home / "slurm.conf"
+    conf.write_text(SLURM_CONF.format(a=hosts[0].address, b=hosts[1].address, home=home, munge_socket=socket_path))
+    env = subprocess_env(SLURM_CONF=str(conf))
+    daemons = []
+    try:
+        wait_until(socket_path.exists, "munged socket", timeout=30)
+        daemons.append(hosts[0].popen(["slurmctld", "-D", "-c", "-f", str(conf)], cwd=home, env=env,
+                                      log=home / "slurmctld.out"))
+        for host in hosts:
+            daemons.append(host.popen(["slurmd", "-D", "-N", host.name, "-f", str(conf)], cwd=home, env=env,
+                                      log=home / f"slurmd-{host.name}.out"))
+
+        def idle() -> bool:
+            out = hosts[0].run(["sinfo", "-h", "-N", "-o", "%N %t"], cwd=home, env=env, timeout=30).stdout
+            return sorted(out.split()) == sorted(["node-a", "idle", "node-b", "idle"])
+
+        wait_until(idle, "both slurmd idle", timeout=90, interval=1,
+                   diagnose=lambda: "\n".join(p.read_text()[-2000:] for p in sorted(home.glob("*.log"))))
+        yield env
+    finally:
+        for daemon in daemons:
+            os.killpg(daemon.pid, 9)
+        munged.terminate()
+        munged.wait(timeout=30)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_dvc_repro_submits_ddp_to_slurm_and_waits(hosts, slurm, tracking_server, uninterrupted, mnist_dir,
+                                                  tmp_path):
+    """The login node (node-a) runs `dvc repro`; with train.launcher: slurm the ddp stage submits
+    deploy/slurm/train.sbatch with `sbatch --wait` over both hosts, in this shared directory, and
+    so does commcheck before it."""
+    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "launcher": "slurm",
+                                                                  "nodes": 2, "nproc": 1}})
+    env = {**slurm, **project_env(project, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=tracking_server,
+                                  MNIST_SOURCE=str(mnist_dir))}
+    proc = hosts[0].run(["dvc", "repro", "train@ddp"], cwd=project, env=env, timeout=TWO_NODE_TIMEOUT_S)
+    logs = sorted((project / "models/ddp/logs").glob("slurm-*.out"))
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n" + "".join(p.read_text() for p in logs)
+    assert "submitting to Slurm (2 node(s))" in proc.stdout and "finished" in proc.stdout
+    (job_log,) = logs
+    assert "2 node(s) x 1 worker(s), rendezvous node-a" in job_log.read_text()
+
+    summary = json.loads((project / "metrics/train/ddp.json").read_text())
+    assert (summary["nodes"], summary["procs_per_node"]) == (2, 1)
+    # commcheck went the same way: it checked the link between the hosts that training then used.
+    verdict = json.loads((project / "checks/comm.json").read_text())
+    assert verdict["passed"] and verdict["world_size"] == 2 and len(list((project / "checks/logs").iterdir())) == 1
+    # The same global batches as the two hand-started agents: the same weights, bit for bit.
+    assert max_abs_diff(load_weights(rank0_dir(uninterrupted[0]), "ddp"), load_weights(project, "ddp")) == 0.0
+    runs = server_runs(hosts[0], tracking_server)
+    parent_id = json.loads((project / "models/ddp/mlflow_run.json").read_text())["parent"]
+    (parent,) = [r for r in runs if r["id"] == parent_id]
+    children = [r for r in runs if r["tags"].get(PARENT) == parent_id]
+    assert parent["status"] == "FINISHED" and [c["status"] for c in children] == ["FINISHED"] * 2
+    assert {c["tags"]["host"] for c in children} == {"node-a", "node-b"}
