@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # DVC stages call `mnist-pipeline`, so the venv's bin must come first on PATH.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: install lock run test ui lint image-check gpu-check clean
+.PHONY: install lock run test test-deps ui lint image-check gpu-check clean
 
 install: $(STAMP)
 
@@ -36,8 +36,12 @@ lock: install
 run: install
 	dvc repro
 
-test: install
+test: install test-deps
 	pytest
+
+# Slurm, munge and PostgreSQL for the multinode tests (Debian packages; root only).
+test-deps:
+	bash scripts/test-deps.sh
 
 lint: install
 	hadolint Dockerfile

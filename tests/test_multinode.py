@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (
+    ROOT,
     SMALL,
     load_weights,
     make_project,
@@ -44,6 +45,14 @@ def hosts():
         yield pair
 
 
+def pg_bin(name: str) -> str:
+    """A PostgreSQL program: on PATH, or where Debian's postgresql package puts it."""
+    found = shutil.which(name) or next(iter(sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"))), None)
+    if found is None:
+        pytest.fail(f"PostgreSQL's {name} is missing; `make test` installs it (scripts/test-deps.sh)")
+    return str(found)
+
+
 def _as_postgres(*argv: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(["runuser", "-u", "postgres", "--", *argv], check=True, capture_output=True,
                           text=True, **kwargs)
@@ -53,18 +62,16 @@ def _as_postgres(*argv: str, **kwargs) -> subprocess.CompletedProcess:
 def postgres():
     """A PostgreSQL server of the test's own, reached through a Unix socket in its folder (every
     namespace sees the file system, so both hosts' processes can reach it). Yields the folder."""
-    if shutil.which("initdb") is None or shutil.which("runuser") is None:
-        pytest.fail("PostgreSQL's initdb (or runuser) is missing; `make test` installs it")
     home = Path(tempfile.mkdtemp(prefix="mnp-pg-"))
     shutil.chown(home, "postgres", "postgres")  # postgres refuses to run as root
-    _as_postgres("initdb", "--auth=trust", "--username=postgres", "-D", str(home / "data"))
-    server = subprocess.Popen(["runuser", "-u", "postgres", "--", "postgres", "-D", str(home / "data"), "-k",
+    _as_postgres(pg_bin("initdb"), "--auth=trust", "--username=postgres", "-D", str(home / "data"))
+    server = subprocess.Popen(["runuser", "-u", "postgres", "--", pg_bin("postgres"), "-D", str(home / "data"), "-k",
                                str(home), "-c", "listen_addresses="], stdout=subprocess.DEVNULL,
                               stderr=open(home / "postgres.log", "w"))  # noqa: SIM115 (lives with the server)
     try:
         wait_until(lambda: (home / ".s.PGSQL.5432").exists(), "PostgreSQL socket", timeout=60,
                    diagnose=lambda: (home / "postgres.log").read_text())
-        _as_postgres("psql", "-h", str(home), "-U", "postgres", "-c", "CREATE DATABASE mlflow")
+        _as_postgres(pg_bin("psql"), "-h", str(home), "-U", "postgres", "-c", "CREATE DATABASE mlflow")
         yield home
     finally:
         server.terminate()
@@ -224,6 +231,33 @@ def test_a_store_on_a_nodes_disk_is_refused_before_training(hosts, small_project
         assert not (folder / "mlflow.db").exists()
 
 
+def test_the_kubeflow_trainjob_command_under_the_environment_trainer_injects(hosts, tracking_server,
+                                                                            uninterrupted, small_project, tmp_path):
+    """Each host plays one pod of deploy/kubernetes/trainjob.yaml: its container command, its env,
+    and the PET_* variables the torch-distributed runtime injects (no other rendezvous flags)."""
+    import yaml
+
+    job = next(d for d in yaml.safe_load_all((ROOT / "deploy/kubernetes/trainjob.yaml").read_text())
+               if d["kind"] == "TrainJob")
+    trainer = job["spec"]["trainer"]
+    manifest_env = {e["name"]: e["value"] for e in trainer["env"]}
+    manifest_env["MLFLOW_TRACKING_URI"] = tracking_server  # the test's server, not the example's
+    dirs = node_dirs(small_project, tmp_path)
+    procs = []
+    for node_rank, (host, folder) in enumerate(zip(hosts, dirs)):
+        injected = {"PET_NNODES": str(trainer["numNodes"]), "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+                    "PET_NODE_RANK": str(node_rank), "PET_MASTER_ADDR": hosts[0].address,
+                    "PET_MASTER_PORT": str(RDZV_PORT)}
+        procs.append(host.popen(trainer["command"], cwd=folder, log=tmp_path / f"{host.name}.log",
+                                env=subprocess_env(**project_env(folder, **manifest_env, **injected))))
+    for proc in procs:
+        proc.wait(timeout=TWO_NODE_TIMEOUT_S)
+    for host, proc in zip(hosts, procs):
+        assert proc.returncode == 0, (tmp_path / f"{host.name}.log").read_text()[-5000:]
+    assert trainer["numNodes"] == 2 and trainer["numProcPerNode"] == 1
+    assert max_abs_diff(load_weights(rank0_dir(uninterrupted[0]), "ddp"), load_weights(rank0_dir(dirs), "ddp")) == 0.0
+
+
 # --- Slurm -------------------------------------------------------------------------------------------
 
 SLURM_CONF = """\
@@ -260,7 +294,7 @@ def slurm(hosts):
     """A real Slurm cluster over the two hosts: munged, slurmctld on node-a, one slurmd per host.
     Yields the environment that points Slurm's commands at it."""
     if shutil.which("slurmctld") is None or shutil.which("munged") is None:
-        pytest.fail("slurm-wlm and munge are missing; `make test` installs them")
+        pytest.fail("slurm-wlm and munge are missing; `make test` installs them (scripts/test-deps.sh)")
     home = Path(tempfile.mkdtemp(prefix="mnp-slurm-"))
     (home / "state").mkdir()
     key, socket_path = home / "munge.key", home / "munge.socket"

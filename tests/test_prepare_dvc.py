@@ -31,3 +31,19 @@ def test_dvc_repro_prepare(tmp_path, mnist_dir):
     assert "didn't change, skipping" in second.stdout and "Running stage" not in second.stdout
     status = run(["dvc", "status", "prepare"], project, **env)
     assert "up to date" in status.stdout
+
+    # Beyond one machine: the prepared data goes to a DVC remote that every node pulls from (here a
+    # directory remote, as on a shared file system); a node's fresh clone gets the same bytes.
+    remote = tmp_path / "dvc-remote"
+    run(["dvc", "remote", "add", "--default", "shared", str(remote)], project, **env)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    run([*git, "add", "-A"], project)
+    run([*git, "commit", "-qm", "prepared data on the shared remote"], project)
+    run(["dvc", "push", "prepare"], project, **env)
+    node = tmp_path / "node"
+    run(["git", "clone", "-q", str(project), str(node)], tmp_path)
+    pulled = run(["dvc", "pull", "prepare"], node, **project_env(node))
+    assert "files fetched" in pulled.stdout or "added" in pulled.stdout, pulled.stdout
+    for name in ("train.pt", "val.pt", "test.pt", "stats.json"):
+        assert (node / "data/prepared" / name).read_bytes() == (out / name).read_bytes()
+    assert "up to date" in run(["dvc", "status", "prepare"], node, **project_env(node)).stdout

@@ -1,0 +1,79 @@
+"""The files users submit to a cluster as they are: the Kubeflow TrainJob against the real CRD
+schema, and the Slurm batch script. (Both also run for real: tests/test_multinode.py.)"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+
+import jsonschema
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+TRAINJOB = ROOT / "deploy/kubernetes/trainjob.yaml"
+REFERENCE = ROOT.parent / "shared/reference/kubeflow-trainer"
+
+
+def strict(schema):
+    """The CRD's OpenAPI schema as JSON Schema, stricter than the API server: the server prunes
+    fields it does not know without a word, so a misspelt field would silently do nothing; here
+    it is an error. Kubernetes' int-or-string becomes what it means."""
+    if isinstance(schema, list):
+        return [strict(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: strict(value) for key, value in schema.items()}
+    if out.pop("x-kubernetes-int-or-string", False):
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    if "properties" in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+def trainjob_schema() -> dict:
+    crd = yaml.safe_load((REFERENCE / "trainer.kubeflow.org_trainjobs.yaml").read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
+    return strict(version["schema"]["openAPIV3Schema"])
+
+
+def manifests() -> dict[str, dict]:
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(TRAINJOB.read_text())}
+
+
+def test_the_trainjob_is_valid_against_kubeflow_trainers_crd():
+    job = manifests()["TrainJob"]
+    jsonschema.validate(job, trainjob_schema())
+    assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1"
+
+
+def test_the_schema_check_catches_a_misspelt_field():
+    job = copy.deepcopy(manifests()["TrainJob"])
+    job["spec"]["trainer"]["numNode"] = job["spec"]["trainer"].pop("numNodes")
+    with pytest.raises(jsonschema.ValidationError, match="numNode"):
+        jsonschema.validate(job, trainjob_schema())
+
+
+def test_the_trainjob_runs_torchrun_on_the_runtime_it_names_with_what_nccl_and_outputs_need():
+    docs = manifests()
+    job, runtime = docs["TrainJob"], yaml.safe_load((REFERENCE / "torch_distributed.yaml").read_text())
+    assert job["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"] == "torch-distributed"
+    assert job["spec"]["trainer"]["command"][0] == "torchrun"  # it reads the PET_* variables Trainer injects
+    (patched,) = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    runtime_jobs = [j["name"] for j in runtime["spec"]["template"]["spec"]["replicatedJobs"]]
+    assert patched["name"] in runtime_jobs
+    pod = patched["template"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    claim = volumes[mounts["/workspace/models"]]["persistentVolumeClaim"]["claimName"]
+    assert claim == docs["PersistentVolumeClaim"]["metadata"]["name"]
+    assert "ReadWriteMany" in docs["PersistentVolumeClaim"]["spec"]["accessModes"]
+    assert {"/workspace/data/prepared", "/workspace/models", "/workspace/metrics", "/workspace/plots"} <= set(mounts)
+    assert any(e["name"] == "MLFLOW_TRACKING_URI" for e in job["spec"]["trainer"]["env"])
+    assert "WORKDIR /workspace\n" in (ROOT / "Dockerfile").read_text()  # where the mounts land
+
+
+def test_the_sbatch_script_is_valid_bash():
+    subprocess.run(["bash", "-n", str(ROOT / "deploy/slurm/train.sbatch")], check=True)
