@@ -39,7 +39,7 @@ run: install
 test: install test-deps
 	pytest
 
-# Slurm, munge and PostgreSQL for the multinode tests (Debian packages; root only).
+# Slurm, munge, PostgreSQL and Chromium for the tests that start them (Debian packages; root only).
 test-deps:
 	bash scripts/test-deps.sh
 
@@ -55,7 +55,9 @@ gpu-check: install
 	$(BIN)/python scripts/gpu_check.py
 
 # The MLflow UI on the default store (SQLite file + ./mlartifacts): http://127.0.0.1:5000
+# It prints the link that opens the experiment on its training runs, not on MLflow's GenAI pages.
 ui: install
+	@$(BIN)/python -c "from pipeline.tracking import print_ui_link; print_ui_link()"
 	mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
 
 clean:

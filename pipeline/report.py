@@ -84,7 +84,7 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
         "",
         "Speed-up is samples/s over the single-device baseline; scaling efficiency is the speed-up "
         "divided by the devices the mode used (DDP: its GPUs, one per rank; DataParallel: its GPUs; "
-        "on a CPU-only host every mode shares the same cores, so the ideal is 1x).",
+        "on CPUs the ranks of one machine share its cores, so the ideal is the number of machines).",
     ]
     if any(r.bare_dp for r in results):
         lines += ["", "**DataParallel ran on a CPU-only host**, where it has no GPUs to split the batch "

@@ -7,6 +7,8 @@ Metrics go out in one batch per epoch and run, never per step, so tracking costs
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import socket
@@ -133,6 +135,35 @@ def _as_params(flat: dict[str, Any]) -> list:
     return [Param(key, str(value)) for key, value in flat.items()]
 
 
+def _file_md5(path: Path) -> str:
+    digest = hashlib.md5()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _dataset_inputs(data_dir: Path, splits: Iterable[str]) -> list:
+    """The prepared splits a run read, as MLflow datasets (the UI's Dataset column): the file, its
+    digest, and the MNIST files it came from with the MD5s the prepare stage verified."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    from pipeline.prepared import load_stats
+
+    stats = load_stats(data_dir)
+    inputs = []
+    for split in splits:
+        path = Path(data_dir) / f"{split}.pt"
+        origin = "t10k-" if split == "test" else "train-"  # val is carved out of MNIST's training files
+        profile = {"images": stats["splits"][split]["count"], "class_counts": stats["splits"][split]["class_counts"],
+                   "mnist_files_md5": {name: f["md5"] for name, f in stats["sources"].items() if name.startswith(origin)},
+                   "checksums_verified": stats["checksums_verified"]}
+        dataset = Dataset(name=f"mnist-{split}", digest=_file_md5(path)[:10], source_type="local",
+                          source=json.dumps({"uri": str(path)}), profile=json.dumps(profile))
+        inputs.append(DatasetInput(dataset, [InputTag("mlflow.data.context", split)]))
+    return inputs
+
+
 class _KnownPickleWarning(logging.Filter):
     """mlflow.pytorch warns on every pickled model; the README says once why this project pickles."""
 
@@ -172,6 +203,11 @@ class ModeRun:
         if self.rank.is_main:
             self._client.log_batch(self.parent_id, metrics=_metric_batch(parent_points))
         self._client.log_batch(self.child_id, metrics=_metric_batch(rank_points))
+
+    def log_datasets(self, data_dir: Path, splits: Iterable[str]) -> None:
+        """Rank 0: the splits training read, on the parent run."""
+        if self.rank.is_main:
+            self._client.log_inputs(self.parent_id, datasets=_dataset_inputs(data_dir, splits))
 
     def log_rank_artifacts(self, paths: Iterable[Path]) -> None:
         for path in paths:
@@ -219,13 +255,49 @@ class ModeRun:
             self._client.set_terminated(self.parent_id, status)
 
 
+# MLflow 3's UI opens an experiment on its GenAI pages (traces, token usage) unless the experiment
+# says it holds model training; the link's workflowType switches the sidebar to match.
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+UI_DEFAULT = "http://127.0.0.1:5000"  # where `make ui` serves the default store
+
+
 def _experiment_id(client, name: str, uri: str) -> str:
     experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    # With the local SQLite store, artifacts go to ./mlartifacts (a server decides for itself).
-    location = (project_root() / DEFAULT_ARTIFACTS).as_uri() if _sqlite_path(uri) else None
-    return client.create_experiment(name, artifact_location=location)
+    if experiment is None:
+        # With the local SQLite store, artifacts go to ./mlartifacts (a server decides for itself).
+        location = (project_root() / DEFAULT_ARTIFACTS).as_uri() if _sqlite_path(uri) else None
+        return client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_KIND)
+    if experiment.tags.get("mlflow.experimentKind") is None:  # made before this tag, or by hand
+        for key, value in EXPERIMENT_KIND.items():
+            client.set_experiment_tag(experiment.experiment_id, key, value)
+    return experiment.experiment_id
+
+
+def print_ui_link() -> None:
+    """For `make ui`: the link to the runs of the last training in this checkout."""
+    trained = sorted(Path("models").glob("*/mlflow_run.json"))
+    if not trained:
+        print(f"MLflow UI: {UI_DEFAULT} (nothing trained yet: make run)")
+        return
+    print(f"MLflow: the mode runs side by side at {ui_link(json.loads(trained[0].read_text())['experiment_id'])}")
+
+
+def _ui_base(uri: str | None) -> str:
+    """The UI of the server in MLFLOW_TRACKING_URI, or `make ui`'s for the default store."""
+    uri = uri or tracking_uri()
+    return uri.rstrip("/") if uri.startswith(("http://", "https://")) else UI_DEFAULT
+
+
+def ui_link(experiment_id: str, uri: str | None = None) -> str:
+    """The page that shows this experiment's training runs."""
+    return f"{_ui_base(uri)}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
+def compare_link(experiment_id: str, run_ids: Iterable[str], uri: str | None = None) -> str:
+    """MLflow's compare page for these runs: every param and metric side by side."""
+    runs = ",".join(f'"{run_id}"' for run_id in run_ids)
+    return (f'{_ui_base(uri)}/#/compare-runs?runs=[{runs}]&experiments=["{experiment_id}"]'
+            "&workflowType=machine_learning")
 
 
 def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str, str], params: dict[str, Any],
@@ -307,6 +379,9 @@ class Untracked:
     def log_points(self, parent_points, rank_points) -> None:
         pass
 
+    def log_datasets(self, data_dir: Path, splits: Iterable[str]) -> None:
+        pass
+
     def log_rank_artifacts(self, paths: Iterable[Path]) -> None:
         pass
 
@@ -334,14 +409,17 @@ def fail_unfinished(config: TrackingConfig, ids: dict) -> None:
 
 
 def log_to_mode_run(config: TrackingConfig, ids: dict, metrics: dict[str, float], artifacts: Iterable[Path],
-                    artifact_dir: str | None = None) -> None:
-    """Add a later stage's numbers and files to the parent run a training made (see mlflow_run.json)."""
+                    artifact_dir: str | None = None, datasets: tuple[Path, Iterable[str]] | None = None) -> None:
+    """Add a later stage's numbers, files and the splits it read (`(data_dir, splits)`) to the
+    parent run a training made (see mlflow_run.json)."""
     if not config.enabled or not ids:
         return
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri())
     client.log_batch(ids["parent"], metrics=_metric_batch(_numeric(metrics, step=0)))
+    if datasets is not None:
+        client.log_inputs(ids["parent"], datasets=_dataset_inputs(*datasets))
     for path in artifacts:
         client.log_artifact(ids["parent"], str(path), artifact_dir)
 

@@ -53,3 +53,10 @@ def compare(params_path: str, out: str) -> None:
                                  {key: value for key, value in summary.items() if value is not None}, [])
     tracking.log_compare_run(config.tracking, mode_ids, files)
     click.echo((Path(out) / "comparison.md").read_text())
+    tracked = [ids for ids in mode_ids.values() if ids]
+    if config.tracking.enabled and tracked:
+        experiment = tracked[0]["experiment_id"]
+        hint = "" if tracking.tracking_uri().startswith("http") else " (after `make ui`)"
+        click.echo(f"MLflow: the mode runs side by side at {tracking.ui_link(experiment)}{hint}")
+        click.echo(f"MLflow: every number compared at "
+                   f"{tracking.compare_link(experiment, [ids['parent'] for ids in tracked])}{hint}")

@@ -51,7 +51,8 @@ def evaluate(params_path: str, mode: str, data_dir: str) -> None:
 
     per_class = {f"test_accuracy_class_{c}": acc for c, acc in enumerate(result.per_class_accuracy)}
     metrics = {"test_accuracy": result.accuracy, "test_loss": result.loss, **per_class}
-    tracking.log_to_mode_run(config.tracking, read_run_ids(mode), metrics, [png], "evaluation")
+    tracking.log_to_mode_run(config.tracking, read_run_ids(mode), metrics, [png], "evaluation",
+                             datasets=(Path(data_dir), ("test",)))
     click.echo(f"{mode}: test accuracy {result.accuracy:.2%}, loss {result.loss:.4f} on {len(test)} images")
     gate = config.evaluate.min_test_accuracy
     if result.accuracy < gate:

@@ -100,6 +100,8 @@ def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, res
                                        state.get("extra", {}).get("mlflow") if state else None)
         if rank.is_main:  # at once, so the launcher can end these runs if a worker is killed outright
             write_json(run_ids_file(mode), runs.ids)
+        if state is None:  # a resumed run has them already
+            runs.log_datasets(data_dir, ("train", "val"))
         run = Training(config.train, mode, rank, device, out, resume_state=state, epoch_hooks=[runs.log_epoch],
                        extra_state={"mlflow": runs.ids}, log_every_n_steps=config.tracking.log_every_n_steps)
         with tracking.until_done(runs):

@@ -1,7 +1,14 @@
 """`dvc repro` of the whole pipeline on a small slice, in a temporary git repo, and the DVC views."""
 
+import hashlib
 import json
+import os
 import re
+import shutil
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -106,7 +113,9 @@ def test_report_numbers_equal_the_metrics(repro):
         train = json.loads((project / "metrics/train" / f"{mode}.json").read_text())
         evaluation = json.loads((project / "metrics/eval" / f"{mode}.json").read_text())
         row = rows[mode]
-        assert row[1] == str(train["world_size"]) and row[3] == str(train["epochs"])
+        world = f"{train['world_size']} ({train['nodes']} × {train['procs_per_node']})" if mode == "ddp" \
+            else str(train["world_size"])
+        assert row[1] == world and row[3] == str(train["epochs"])
         assert row[4] == f"{train['samples_per_s']:,.0f}"
         assert row[5] == f"{train['samples_per_s'] / single_speed:.2f}x"
         assert row[7] == f"{train['train_time_s']:.1f}"
@@ -168,3 +177,71 @@ def test_each_mode_run_holds_the_numbers_compared_under_one_name(repro):
                   if run.data.tags.get("run_id.single") == single["parent"]]
     assert compare.data.metrics == {}  # the report and the links, not copies of the numbers
     assert {a.path for a in client.list_artifacts(compare.info.run_id)} >= {"comparison.md"}
+
+
+def chromium_dom(url: str, tmp_path, screenshot=None) -> str:
+    """The page as headless Chromium renders it, after its scripts have fetched the runs."""
+    browser = shutil.which("chromium")
+    if browser is None:
+        pytest.fail("chromium is missing; `make test` installs it (scripts/test-deps.sh)")
+    common = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+              f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=20000", "--window-size=1400,900"]
+    if screenshot is not None:
+        subprocess.run([*common, f"--screenshot={screenshot}", url], capture_output=True, timeout=120)
+    proc = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def metric_row(dom: str, name: str) -> list[str]:
+    """The values MLflow's compare page shows for metric `name`, one per run, left to right."""
+    names_start = dom.index('title="Plot chart"')
+    top = re.search(r'top: (\d+)px;[^>]*><a title="Plot chart"[^>]*>' + re.escape(name) + "<", dom).group(1)
+    cells = re.findall(r'left: (\d+)px; position: absolute; top: ' + top + r'px;[^>]*><span[^>]*>([^<]*)</span>',
+                       dom[names_start:])
+    return [value for _, value in sorted(cells, key=lambda cell: int(cell[0]))]
+
+
+def test_the_printed_link_opens_the_training_runs_in_a_real_browser(repro, tmp_path):
+    """What a person sees: the link the compare stage prints, opened in headless Chromium on a
+    real `mlflow server` over the pipeline's own store (what `make ui` starts)."""
+    from tests.conftest import free_port, subprocess_env
+
+    project, _, result = repro
+    link = re.search(r"MLflow: the mode runs side by side at (\S+)", result.stdout).group(1)
+    assert link.startswith("http://127.0.0.1:5000/#/experiments/") and "workflowType=machine_learning" in link
+    port = free_port()
+    server = subprocess.Popen(["mlflow", "ui", "--host", "127.0.0.1", "--port", str(port), "--backend-store-uri",
+                               f"sqlite:///{project / 'mlflow.db'}"], cwd=project, env=subprocess_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    shots = os.environ.get("MNIST_PIPELINE_SCREENSHOTS")  # a folder: keep the pictures (the README's)
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        runs_page = chromium_dom(link.replace("http://127.0.0.1:5000", base), tmp_path,
+                                 Path(shots) / "mlflow-runs.png" if shots else None)
+        # The model-training runs table, not MLflow's GenAI overview: every mode's run in it, each
+        # with the datasets that trained it.
+        assert "Model training" in runs_page and "Run Name" in runs_page
+        for name in ("single", "dp", "ddp", "compare"):
+            assert f">{name}<" in runs_page, name
+        digest = hashlib.md5((project / "data/prepared/train.pt").read_bytes()).hexdigest()[:10]
+        text = re.sub(r"<[^>]+>", "", runs_page)  # tags and React's empty comments
+        assert text.count(f"mnist-train ({digest})") == len(MODES)  # the Dataset column, one per mode run
+        compare_link = re.search(r"MLflow: every number compared at (\S+)", result.stdout).group(1)
+        for mode in MODES:  # the three mode runs, by the ids their training recorded
+            assert json.loads((project / "models" / mode / "mlflow_run.json").read_text())["parent"] in compare_link
+        compare_page = chromium_dom(compare_link.replace("http://127.0.0.1:5000", base), tmp_path,
+                                    Path(shots) / "mlflow-compare.png" if shots else None)
+        assert "Comparing 3 Runs" in compare_page
+        shown = [float(value) for value in metric_row(compare_page, "test_accuracy")]
+        expected = [json.loads((project / "metrics/eval" / f"{mode}.json").read_text())["accuracy"] for mode in MODES]
+        assert sorted(shown) == sorted(round(value, 3) for value in expected)
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)

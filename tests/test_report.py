@@ -1,0 +1,26 @@
+"""The comparison table for a DDP run that spanned machines."""
+
+from pipeline.report import ModeResult, comparison_rows, markdown
+
+
+def result(mode: str, samples_per_s: float, **train) -> ModeResult:
+    base = {"world_size": 1, "device": "cpu", "device_name": "cpu (2 cores)", "dp_devices": 1, "epochs": 2,
+            "samples_per_s": samples_per_s, "train_time_s": 10.0}
+    return ModeResult(mode, {**base, **train}, {"accuracy": 0.98}, [])
+
+
+def test_a_multi_node_ddp_run_shows_nodes_times_processes_and_counts_each_machine():
+    results = [result("single", 1000.0),
+               result("ddp", 3000.0, world_size=4, nodes=2, procs_per_node=2)]
+    rows = comparison_rows(results)
+    table = markdown(rows, results)
+    assert "| ddp | 4 (2 × 2) |" in table and "| single | 1 |" in table
+    # CPU ranks on one machine share its cores, but a second machine is more hardware: the ideal
+    # speed-up is 2x, so 3x over single is 150% efficient (and says the baseline was starved).
+    ddp = next(r for r in rows if r["mode"] == "ddp")
+    assert ddp["speedup"] == 3.0 and ddp["scaling_efficiency"] == 1.5
+
+
+def test_metrics_from_before_the_split_still_read():
+    results = [result("single", 1000.0), result("ddp", 900.0, world_size=2)]
+    assert "| ddp | 2 |" in markdown(comparison_rows(results), results)
