@@ -232,7 +232,7 @@ def test_the_printed_link_opens_the_training_runs_in_a_real_browser(repro, tmp_p
             assert f">{name}<" in runs_page, name
         digest = hashlib.md5((project / "data/prepared/train.pt").read_bytes()).hexdigest()[:10]
         text = re.sub(r"<[^>]+>", "", runs_page)  # tags and React's empty comments
-        assert text.count(f"mnist-train ({digest})") == len(MODES)  # the Dataset column, one per mode run
+        assert text.count(f"mnist-train ({digest})") >= len(MODES)  # the Dataset column of each mode run
         compare_link = re.search(r"MLflow: every number compared at (\S+)", result.stdout).group(1)
         for mode in MODES:  # the three mode runs, by the ids their training recorded
             assert json.loads((project / "models" / mode / "mlflow_run.json").read_text())["parent"] in compare_link
