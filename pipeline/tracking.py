@@ -176,6 +176,7 @@ class ModeRun:
     """One training's runs, seen from one rank: the parent (logged by rank 0) and this rank's child."""
 
     config: TrackingConfig
+    mode: str
     rank: Rank
     uri: str
     experiment_id: str
@@ -228,8 +229,9 @@ class ModeRun:
             output = model(example).numpy()
         logging.getLogger("mlflow.pytorch").addFilter(_KnownPickleWarning())
         mlflow.set_tracking_uri(self.uri)
+        registered = self.config.registered_model or None
         with mlflow.start_run(run_id=self.parent_id):
-            mlflow.pytorch.log_model(
+            info = mlflow.pytorch.log_model(
                 model,
                 name="model",
                 input_example=example.numpy(),
@@ -239,7 +241,13 @@ class ModeRun:
                 # A plain nn.Module back from load_model, for any batch size; the torch.export
                 # format would fix the batch to the example's and cannot be put in eval mode.
                 serialization_format="pickle",
+                registered_model_name=registered,
             )
+        if registered:  # the mode names its version: models:/<name>@<mode> is what that mode trained
+            version = str(info.registered_model_version)
+            self._client.set_registered_model_alias(registered, self.mode, version)
+            for key, value in {"mode": self.mode, "run_id": self.parent_id, **git_facts()}.items():
+                self._client.set_model_version_tag(registered, version, key, value)
 
     def end(self, status: str) -> None:
         """End this rank's child and, on rank 0, the parent: FINISHED, or FAILED on any error."""
@@ -347,7 +355,7 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
                                        resume_logging=bool(resume), tracking_uri=uri,
                                        node_id=socket.gethostname() if nodes(rank) > 1 else None)
         monitor.start()
-    return ModeRun(config, rank, uri, experiment_id, parent_id, child_id, children, monitor, client)
+    return ModeRun(config, mode, rank, uri, experiment_id, parent_id, child_id, children, monitor, client)
 
 
 @contextmanager

@@ -171,3 +171,30 @@ def test_a_run_prints_the_projects_lines_not_mlflows(tmp_path, mnist_dir, mlflow
         for chatter in ("INFO mlflow", "Creating initial MLflow database tables", "Skip logging GPU metrics",
                         "View run", "Saving pytorch model by Pickle"):
             assert chatter not in output, (chatter, output[-3000:])
+
+
+def test_an_opt_in_registry_holds_each_modes_model_under_its_alias(tmp_path, mnist_dir):
+    """tracking.registered_model: each mode's model is a version; `models:/<name>@<mode>` loads it."""
+    project = project_with(tmp_path, mnist_dir, "registry", tracking={"registered_model": "mnist-cnn"})
+    for mode in ("single", "ddp"):
+        run(["mnist-pipeline", "train", "--mode", mode], project, **project_env(project))
+    uri = f"sqlite:///{project / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    versions = {mode: client.get_model_version_by_alias("mnist-cnn", mode) for mode in ("single", "ddp")}
+    assert {str(v.version) for v in versions.values()} == {"1", "2"}
+    for mode, version in versions.items():
+        ids = json.loads((project / "models" / mode / "mlflow_run.json").read_text())
+        assert version.run_id == ids["parent"] and version.tags["mode"] == mode
+        mlflow.set_tracking_uri(uri)
+        loaded = mlflow.pytorch.load_model(f"models:/mnist-cnn@{mode}")
+        saved = torch.load(project / "models" / mode / "model.pt", weights_only=True)["state_dict"]
+        assert {k: v.tolist() for k, v in loaded.state_dict().items()} == {k: v.tolist() for k, v in saved.items()}
+
+
+def test_a_registered_model_name_mlflow_would_refuse_is_refused_before_training(tmp_path):
+    from tests.conftest import ROOT, write_params
+
+    params = write_params(tmp_path / "params.yaml", tracking={"registered_model": "team/mnist"})
+    result = run(["mnist-pipeline", "train", "--mode", "single", "--params", str(params)], tmp_path, check=False,
+                 **project_env(ROOT))
+    assert result.returncode == 1 and "tracking.registered_model" in result.stderr and "team/mnist" in result.stderr
