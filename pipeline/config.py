@@ -91,6 +91,9 @@ class TrackingConfig:
     system_metrics_interval_s: float = field(default=2.0, metadata=_positive())
     # 0: per-epoch metrics only; N: also each rank's loss every N steps (sent once per epoch).
     log_every_n_steps: int = field(default=0, metadata=_at_least(0))
+    # Training never waits on the tracking server: what it cannot send is kept and sent when it
+    # answers. At the end, the stage waits this long for it, then fails saying how to send the rest.
+    outage_wait_s: float = field(default=120.0, metadata=_at_least(0))
     # "": no registry. A name: each mode's model becomes a version of this registered model, with
     # the mode as its alias, so `models:/<name>@ddp` loads what ddp trained.
     registered_model: str = field(default="", metadata=_rule(

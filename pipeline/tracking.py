@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from pipeline.config import TrackingConfig
+from pipeline.config import MODES, TrackingConfig
 from pipeline.errors import PipelineError
 from pipeline.lifecycle import stop_signals_unwind
 from pipeline.parallel import Rank, all_gather_objects, broadcast_object, nodes
@@ -34,10 +34,16 @@ log = logging.getLogger(__name__)
 # setting wins.
 os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
+# Calls during training go through an outbox that retries until the server answers (see
+# pipeline.outbox), so MLflow's own retries (minutes, at its defaults) are kept short.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
 DEFAULT_DB = "mlflow.db"
 DEFAULT_ARTIFACTS = "mlartifacts"
 PARENT_TAG = "mlflow.parentRunId"
 HEALTH_TIMEOUT_S = 5
+OUTBOX_DIR = "tracking-outbox"  # in the mode's output folder: what a rank could not send yet
+FAILED_DRAIN_S = 10  # after a failure, how long ending the runs may wait on the server
 
 
 def project_root() -> Path:
@@ -173,7 +179,9 @@ class _KnownPickleWarning(logging.Filter):
 
 @dataclass
 class ModeRun:
-    """One training's runs, seen from one rank: the parent (logged by rank 0) and this rank's child."""
+    """One training's runs, seen from one rank: the parent (logged by rank 0) and this rank's child.
+    Everything logged after the runs are made goes through `outbox`, so training never waits on
+    the tracking server."""
 
     config: TrackingConfig
     mode: str
@@ -183,6 +191,7 @@ class ModeRun:
     parent_id: str
     child_id: str
     children: dict[int, str]
+    outbox: Any
     monitor: Any = None
     _client: Any = field(default=None, repr=False)
 
@@ -202,65 +211,173 @@ class ModeRun:
                    rank_points: Iterable[tuple[str, float, int]]) -> None:
         """(key, value, step) series in one batch per run: the parent's from rank 0, and this rank's."""
         if self.rank.is_main:
-            self._client.log_batch(self.parent_id, metrics=_metric_batch(parent_points))
-        self._client.log_batch(self.child_id, metrics=_metric_batch(rank_points))
+            self.outbox.put({"op": "metrics", "run": self.parent_id, "points": _stamped(parent_points)})
+        self.outbox.put({"op": "metrics", "run": self.child_id, "points": _stamped(rank_points)})
 
     def log_datasets(self, data_dir: Path, splits: Iterable[str]) -> None:
-        """Rank 0: the splits training read, on the parent run."""
+        """Rank 0: the splits training read, on the parent run (at the start, with the runs)."""
         if self.rank.is_main:
             self._client.log_inputs(self.parent_id, datasets=_dataset_inputs(data_dir, splits))
 
     def log_rank_artifacts(self, paths: Iterable[Path]) -> None:
         for path in paths:
-            if path.is_file():
-                self._client.log_artifact(self.child_id, str(path))
+            self.outbox.put({"op": "artifact", "run": self.child_id, "path": str(path)})
 
-    def finish_parent(self, model, example, artifacts: Iterable[Path]) -> None:
-        """Rank 0: the model (with signature and input example) and the mode's files on the parent."""
-        import mlflow
-        import torch
-        from mlflow.models import infer_signature
-
+    def finish_parent(self, model_file: Path, example, artifacts: Iterable[Path]) -> None:
+        """Rank 0: the mode's files and its model (read back from `model_file`, with signature and
+        `example` as input example) on the parent run."""
         for path in artifacts:
-            if path.is_file():
-                self._client.log_artifact(self.parent_id, str(path))
-        model = model.cpu().eval()
-        with torch.no_grad():
-            output = model(example).numpy()
-        logging.getLogger("mlflow.pytorch").addFilter(_KnownPickleWarning())
-        mlflow.set_tracking_uri(self.uri)
-        registered = self.config.registered_model or None
-        with mlflow.start_run(run_id=self.parent_id):
-            info = mlflow.pytorch.log_model(
-                model,
-                name="model",
-                input_example=example.numpy(),
-                signature=infer_signature(example.numpy(), output),
-                # Pinned, not inferred: inference reloads the model in a subprocess, which is slow.
-                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-                # A plain nn.Module back from load_model, for any batch size; the torch.export
-                # format would fix the batch to the example's and cannot be put in eval mode.
-                serialization_format="pickle",
-                registered_model_name=registered,
-            )
-        if registered:  # the mode names its version: models:/<name>@<mode> is what that mode trained
-            version = str(info.registered_model_version)
-            self._client.set_registered_model_alias(registered, self.mode, version)
-            for key, value in {"mode": self.mode, "run_id": self.parent_id, **git_facts()}.items():
-                self._client.set_model_version_tag(registered, version, key, value)
+            self.outbox.put({"op": "artifact", "run": self.parent_id, "path": str(path)})
+        self.outbox.put({"op": "model", "run": self.parent_id, "file": str(model_file), "mode": self.mode,
+                         "example": example.tolist(), "registered": self.config.registered_model or None})
 
-    def end(self, status: str) -> None:
-        """End this rank's child and, on rank 0, the parent: FINISHED, or FAILED on any error."""
+    def end(self, status: str, wait_s: float | None = None) -> None:
+        """End this rank's child and, on rank 0, the parent: FINISHED, or FAILED on any error. Waits
+        up to `wait_s` (tracking.outage_wait_s) for the server to take everything; if it does not,
+        what is left stays in the outbox and this says how to send it."""
         if self.monitor is not None:
-            self.monitor.finish()
-            # A run shorter than one sampling interval would otherwise end with no system metrics.
-            leftover = self.monitor.aggregate_metrics()
-            if leftover:
-                self.monitor.publish_metrics(leftover)
-                self.monitor.mlflow_logger.flush()
-        self._client.set_terminated(self.child_id, status)
+            try:
+                self.monitor.finish()
+                # A run shorter than one sampling interval would otherwise end with no system metrics.
+                leftover = self.monitor.aggregate_metrics()
+                if leftover:
+                    self.monitor.publish_metrics(leftover)
+                    self.monitor.mlflow_logger.flush()
+            except Exception as exc:  # MLflow's own sampler: what it could not send is not kept
+                log.warning("system metrics not sent: %s", exc)
+        self.outbox.put({"op": "end", "run": self.child_id, "status": status})
         if self.rank.is_main:
-            self._client.set_terminated(self.parent_id, status)
+            self.outbox.put({"op": "end", "run": self.parent_id, "status": status})
+        wait_s = self.config.outage_wait_s if wait_s is None else wait_s
+        left = self.outbox.drain(wait_s)
+        self.outbox.close()
+        if left:
+            error = getattr(self.outbox, "last_error", None)
+            raise PipelineError(
+                f"{self.mode}: the tracking server {self.uri} did not take this training's tracking within "
+                f"tracking.outage_wait_s = {wait_s:g} s ({error}). Training's outputs are saved; what rank "
+                f"{self.rank.rank} could not send ({left} calls: metrics, files, the model, the runs' end) is kept "
+                f"in {self.outbox.path}. When the server answers: `mnist-pipeline send-runs --mode {self.mode}`"
+                + (f", then `dvc commit train@{self.mode}` to record the outputs" if self.mode in MODES else ""))
+
+
+def _stamped(points: Iterable[tuple[str, float, int]]) -> list[list]:
+    """(key, value, step) as [key, value, step, time in ms]: stamped when measured, not when sent."""
+    now = int(time.time() * 1000)
+    return [[key, float(value), step, now] for key, value, step in points]
+
+
+class _Direct:
+    """An outbox that sends at once, for short runs with nothing worth keeping (commcheck's)."""
+
+    path = None
+    last_error = None
+
+    def __init__(self, deliver):
+        self._deliver = deliver
+
+    def put(self, op: dict) -> None:
+        self._deliver(op)
+
+    def drain(self, timeout_s: float) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+def _deliver(client, uri: str, op: dict) -> None:
+    """One outbox entry, sent. Idempotent: metrics already stored are skipped by MLflow, files
+    are overwritten, and a run ends with the last status set."""
+    kind = op["op"]
+    if kind == "metrics":
+        from mlflow.entities import Metric
+
+        client.log_batch(op["run"], metrics=[Metric(key, value, ts, step) for key, value, step, ts in op["points"]])
+    elif kind == "artifact":
+        if Path(op["path"]).is_file():
+            client.log_artifact(op["run"], op["path"])
+    elif kind == "model":
+        _log_model(client, uri, op)
+    elif kind == "end":
+        client.set_terminated(op["run"], op["status"])
+    else:
+        raise ValueError(f"unknown tracking operation {kind!r}")
+
+
+def _log_model(client, uri: str, op: dict) -> None:
+    """The model a mode saved, as an MLflow model on its parent run (and, opted in, registered)."""
+    import mlflow
+    import torch
+    from mlflow.models import infer_signature
+
+    from pipeline.model import build_model
+
+    path = Path(op["file"])
+    if not path.is_file():
+        log.warning("%s: gone, so its MLflow model is not logged", path)
+        return
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    model = build_model(saved["model"])
+    model.load_state_dict(saved["state_dict"])
+    model.eval()
+    example = torch.tensor(op["example"], dtype=torch.float32)
+    with torch.no_grad():
+        output = model(example).numpy()
+    logging.getLogger("mlflow.pytorch").addFilter(_KnownPickleWarning())
+    mlflow.set_tracking_uri(uri)
+    registered = op.get("registered")
+    with mlflow.start_run(run_id=op["run"]):
+        info = mlflow.pytorch.log_model(
+            model,
+            name="model",
+            input_example=example.numpy(),
+            signature=infer_signature(example.numpy(), output),
+            # Pinned, not inferred: inference reloads the model in a subprocess, which is slow.
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+            # A plain nn.Module back from load_model, for any batch size; the torch.export
+            # format would fix the batch to the example's and cannot be put in eval mode.
+            serialization_format="pickle",
+            registered_model_name=registered,
+        )
+    if registered:  # the mode names its version: models:/<name>@<mode> is what that mode trained
+        version = str(info.registered_model_version)
+        client.set_registered_model_alias(registered, op["mode"], version)
+        for key, value in {"mode": op["mode"], "run_id": op["run"], **git_facts()}.items():
+            client.set_model_version_tag(registered, version, key, value)
+
+
+def _outbox(folder: Path | None, rank: Rank, uri: str):
+    from functools import partial
+
+    from mlflow import MlflowClient
+
+    from pipeline.outbox import Outbox
+
+    deliver = partial(_deliver, MlflowClient(uri), uri)  # a client of its own for the sender thread
+    if folder is None:
+        return _Direct(deliver)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tracking_uri").write_text(uri + "\n")  # where `send-runs` sends what is kept
+    return Outbox(folder, f"rank-{rank.rank}", deliver)
+
+
+def send_kept(folder: Path) -> int:
+    """Send what trainings left in `folder` (an outbox) to the server they were logging to: the
+    `send-runs` command. Returns how many calls were sent."""
+    from functools import partial
+
+    from mlflow import MlflowClient
+
+    from pipeline.outbox import replay
+
+    files = sorted(folder.glob("rank-*.jsonl")) if folder.is_dir() else []
+    if not files:
+        return 0
+    uri = (folder / "tracking_uri").read_text().strip()
+    check_store(uri)
+    deliver = partial(_deliver, MlflowClient(uri), uri)
+    return sum(replay(path, deliver) for path in files)
 
 
 # MLflow 3's UI opens an experiment on its GenAI pages (traces, token usage) unless the experiment
@@ -309,8 +426,9 @@ def compare_link(experiment_id: str, run_ids: Iterable[str], uri: str | None = N
 
 
 def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str, str], params: dict[str, Any],
-                   resume: dict | None = None) -> ModeRun | Untracked:
-    """Open (or, on resume, reopen) the parent run on rank 0 and a child run on every rank."""
+                   resume: dict | None = None, outbox_dir: Path | None = None) -> ModeRun | Untracked:
+    """Open (or, on resume, reopen) the parent run on rank 0 and a child run on every rank. What is
+    logged afterwards is kept in `outbox_dir` until the server has it (None: sent at once)."""
     if not config.enabled:
         return Untracked()
     from mlflow import MlflowClient
@@ -355,7 +473,8 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
                                        resume_logging=bool(resume), tracking_uri=uri,
                                        node_id=socket.gethostname() if nodes(rank) > 1 else None)
         monitor.start()
-    return ModeRun(config, mode, rank, uri, experiment_id, parent_id, child_id, children, monitor, client)
+    return ModeRun(config, mode, rank, uri, experiment_id, parent_id, child_id, children,
+                   _outbox(outbox_dir, rank, uri), monitor, client)
 
 
 @contextmanager
@@ -368,7 +487,7 @@ def until_done(runs: ModeRun | Untracked) -> Iterator[None]:
         except BaseException:
             shield()
             try:
-                runs.end("FAILED")
+                runs.end("FAILED", wait_s=FAILED_DRAIN_S)
             except Exception as exc:  # the first error is the one to see; this one only follows
                 log.warning("could not mark the MLflow runs FAILED: %s", exc)
             raise
@@ -393,10 +512,10 @@ class Untracked:
     def log_rank_artifacts(self, paths: Iterable[Path]) -> None:
         pass
 
-    def finish_parent(self, model, example, artifacts: Iterable[Path]) -> None:
+    def finish_parent(self, model_file: Path, example, artifacts: Iterable[Path]) -> None:
         pass
 
-    def end(self, status: str) -> None:
+    def end(self, status: str, wait_s: float | None = None) -> None:
         pass
 
 

@@ -10,6 +10,7 @@ from stages.commcheck import commcheck
 from stages.compare import compare
 from stages.evaluate import evaluate
 from stages.prepare import prepare
+from stages.send_runs import send_runs
 from stages.train import train
 
 
@@ -30,5 +31,5 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
 
-for command in (prepare, commcheck, train, evaluate, compare):
+for command in (prepare, commcheck, train, evaluate, compare, send_runs):
     main.add_command(command)

@@ -97,7 +97,8 @@ def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, res
                              restarted=parallel.restarted_by_torchrun(), rank=rank)
         facts = run_facts(mode, rank, device, distributed=mode == "ddp")
         runs = tracking.start_mode_run(config.tracking, mode, rank, facts, params,
-                                       state.get("extra", {}).get("mlflow") if state else None)
+                                       state.get("extra", {}).get("mlflow") if state else None,
+                                       outbox_dir=out / tracking.OUTBOX_DIR)
         if rank.is_main:  # at once, so the launcher can end these runs if a worker is killed outright
             write_json(run_ids_file(mode), runs.ids)
         if state is None:  # a resumed run has them already
@@ -126,7 +127,7 @@ def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.R
     write_json(run_ids_file(mode), runs.ids)
     example = to_device(Split(data.splits["val"].images[:4], data.splits["val"].labels[:4]),
                         data.mean, data.std, torch.device("cpu")).images
-    runs.finish_parent(model, example, [out / CHECKPOINT_FILE, curves, params_path])
+    runs.finish_parent(out / MODEL_FILE, example, [out / CHECKPOINT_FILE, curves, params_path])
 
 
 @click.command()

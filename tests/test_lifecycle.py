@@ -16,7 +16,7 @@ class RecordingRuns:
     def __init__(self, signal_while_ending=None):
         self.ended, self.signal_while_ending = [], signal_while_ending
 
-    def end(self, status):
+    def end(self, status, wait_s=None):
         if self.signal_while_ending:
             os.kill(os.getpid(), self.signal_while_ending)  # a second `docker stop`, or Ctrl-C again
         self.ended.append(status)
@@ -43,7 +43,7 @@ def test_a_second_signal_does_not_cut_the_ending_short(second):
 
 def test_a_failure_to_end_the_runs_does_not_hide_the_first_error():
     class Unreachable(RecordingRuns):
-        def end(self, status):
+        def end(self, status, wait_s=None):
             raise ConnectionError("tracking server gone")
 
     with pytest.raises(ValueError, match="the real problem"):

@@ -1,0 +1,118 @@
+"""A rank's tracking calls, written to disk first and sent by a background thread: training never
+waits on the tracking server, and what could not be sent outlives the process.
+
+Each call is one JSON line in `<folder>/<name>.jsonl`; `<name>.sent` holds how many lines were
+delivered, in order. The thread retries a failed delivery (the server is down) until it goes
+through; `drain` waits a bounded time for the rest, and `replay` sends what a finished process left
+behind (the `send-runs` command). Delivery must be idempotent: after a crash between a delivery and
+its `.sent` update, that line is delivered again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from pipeline.atomic import write_text
+
+log = logging.getLogger(__name__)
+RETRY_S = (1, 2, 4, 8)  # waits between attempts while the server is away, then every 8 s
+
+
+class Outbox:
+    def __init__(self, folder: Path, name: str, deliver: Callable[[dict], Any]):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path, self._sent_path = folder / f"{name}.jsonl", folder / f"{name}.sent"
+        self._deliver = deliver
+        # What an earlier attempt (a torchrun restart) could not send goes first.
+        self._ops, self._sent = read(self.path, self._sent_path)
+        self.last_error: Exception | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._send_forever, name=f"outbox-{name}", daemon=True)
+        self._thread.start()
+
+    def put(self, op: dict) -> None:
+        """Keep `op` on disk, then hand it to the sender; returns at once."""
+        line = json.dumps(op, separators=(",", ":"))
+        with self._cond:
+            with self.path.open("a") as handle:
+                handle.write(line + "\n")
+            self._ops.append(op)
+            self._cond.notify_all()
+
+    def pending(self) -> int:
+        with self._cond:
+            return len(self._ops) - self._sent
+
+    def drain(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for everything put so far to be delivered; what is left."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._sent < len(self._ops) and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            return len(self._ops) - self._sent
+
+    def close(self) -> None:
+        """Stop sending; with nothing left, remove the files (a clean run leaves no outbox)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            if self._sent == len(self._ops):
+                self.path.unlink(missing_ok=True)
+                self._sent_path.unlink(missing_ok=True)
+
+    def _send_forever(self) -> None:
+        failures = 0
+        while True:
+            with self._cond:
+                while self._sent == len(self._ops) and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                op = self._ops[self._sent]
+            try:
+                self._deliver(op)
+            except Exception as exc:  # the server is away: keep the op, try again later
+                self.last_error = exc
+                if failures == 0:
+                    log.warning("tracking server unreachable (%s); training goes on, tracking is kept in %s "
+                                "and sent when it answers", _short(exc), self.path.parent)
+                time.sleep(RETRY_S[min(failures, len(RETRY_S) - 1)])
+                failures += 1
+                continue
+            if failures:
+                log.warning("tracking server answers again; sending what was kept")
+            failures = 0
+            with self._cond:
+                self._sent += 1
+                write_text(self._sent_path, f"{self._sent}\n")
+                self._cond.notify_all()
+
+
+def read(path: Path, sent_path: Path) -> tuple[list[dict], int]:
+    ops = [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+    sent = int(sent_path.read_text()) if sent_path.is_file() else 0
+    return ops, sent
+
+
+def replay(path: Path, deliver: Callable[[dict], Any]) -> int:
+    """Send, in order, what a process left undelivered in `path`; how many were sent. Stops at the
+    first failure (raised), having recorded what went through; removes the files once all did."""
+    sent_path = path.with_suffix(".sent")
+    ops, sent = read(path, sent_path)
+    for index in range(sent, len(ops)):
+        deliver(ops[index])
+        write_text(sent_path, f"{index + 1}\n")
+    path.unlink(missing_ok=True)
+    sent_path.unlink(missing_ok=True)
+    return len(ops) - sent
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:200]
