@@ -2,7 +2,7 @@
 waits on the tracking server, and what could not be sent outlives the process.
 
 Each call is one JSON line in `<folder>/<name>.jsonl`; `<name>.sent` holds how many lines were
-delivered, in order. The thread retries a failed delivery (the server is down) until it goes
+delivered, in order, and `<name>.target` where they go (the tracking server's address). The thread retries a failed delivery (the server is down) until it goes
 through; `drain` waits a bounded time for the rest, and `replay` sends what a finished process left
 behind (the `send-runs` command). Delivery must be idempotent: after a crash between a delivery and
 its `.sent` update, that line is delivered again.
@@ -24,9 +24,10 @@ RETRY_S = (1, 2, 4, 8)  # waits between attempts while the server is away, then 
 
 
 class Outbox:
-    def __init__(self, folder: Path, name: str, deliver: Callable[[dict], Any]):
+    def __init__(self, folder: Path, name: str, deliver: Callable[[dict], Any], target: str):
         folder.mkdir(parents=True, exist_ok=True)
         self.path, self._sent_path = folder / f"{name}.jsonl", folder / f"{name}.sent"
+        write_text(folder / f"{name}.target", target + "\n")
         self._deliver = deliver
         # What an earlier attempt (a torchrun restart) could not send goes first.
         self._ops, self._sent = read(self.path, self._sent_path)
@@ -63,8 +64,7 @@ class Outbox:
             self._closed = True
             self._cond.notify_all()
             if self._sent == len(self._ops):
-                self.path.unlink(missing_ok=True)
-                self._sent_path.unlink(missing_ok=True)
+                _remove(self.path)
 
     def _send_forever(self) -> None:
         failures = 0
@@ -108,9 +108,18 @@ def replay(path: Path, deliver: Callable[[dict], Any]) -> int:
     for index in range(sent, len(ops)):
         deliver(ops[index])
         write_text(sent_path, f"{index + 1}\n")
-    path.unlink(missing_ok=True)
-    sent_path.unlink(missing_ok=True)
+    _remove(path)
     return len(ops) - sent
+
+
+def _remove(path: Path) -> None:
+    """A fully sent outbox: its files, and the folder once no other rank's remain."""
+    for suffix in (".jsonl", ".sent", ".target"):
+        path.with_suffix(suffix).unlink(missing_ok=True)
+    try:
+        path.parent.rmdir()
+    except OSError:  # another rank's outbox is still there
+        pass
 
 
 def _short(exc: Exception) -> str:

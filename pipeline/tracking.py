@@ -357,9 +357,7 @@ def _outbox(folder: Path | None, rank: Rank, uri: str):
     deliver = partial(_deliver, MlflowClient(uri), uri)  # a client of its own for the sender thread
     if folder is None:
         return _Direct(deliver)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tracking_uri").write_text(uri + "\n")  # where `send-runs` sends what is kept
-    return Outbox(folder, f"rank-{rank.rank}", deliver)
+    return Outbox(folder, f"rank-{rank.rank}", deliver, target=uri)
 
 
 def send_kept(folder: Path) -> int:
@@ -371,13 +369,12 @@ def send_kept(folder: Path) -> int:
 
     from pipeline.outbox import replay
 
-    files = sorted(folder.glob("rank-*.jsonl")) if folder.is_dir() else []
-    if not files:
-        return 0
-    uri = (folder / "tracking_uri").read_text().strip()
-    check_store(uri)
-    deliver = partial(_deliver, MlflowClient(uri), uri)
-    return sum(replay(path, deliver) for path in files)
+    sent = 0
+    for path in sorted(folder.glob("rank-*.jsonl")) if folder.is_dir() else []:
+        uri = path.with_suffix(".target").read_text().strip()  # the server those runs live on
+        check_store(uri)
+        sent += replay(path, partial(_deliver, MlflowClient(uri), uri))
+    return sent
 
 
 # MLflow 3's UI opens an experiment on its GenAI pages (traces, token usage) unless the experiment
