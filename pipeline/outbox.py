@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.atomic import write_text
+from pipeline.errors import PipelineError
 
 log = logging.getLogger(__name__)
 RETRY_S = (1, 2, 4, 8)  # waits between attempts while the server is away, then every 8 s
@@ -32,6 +33,7 @@ class Outbox:
         # What an earlier attempt (a torchrun restart) could not send goes first.
         self._ops, self._sent = read(self.path, self._sent_path)
         self.last_error: Exception | None = None
+        self.disk_error: Exception | None = None  # once set, calls are kept in memory only
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._send_forever, name=f"outbox-{name}", daemon=True)
@@ -41,8 +43,14 @@ class Outbox:
         """Keep `op` on disk, then hand it to the sender; returns at once."""
         line = json.dumps(op, separators=(",", ":"))
         with self._cond:
-            with self.path.open("a") as handle:
-                handle.write(line + "\n")
+            if self.disk_error is None:
+                try:
+                    with self.path.open("a") as handle:
+                        handle.write(line + "\n")
+                except OSError as exc:  # a full disk must not stop training: keep it in memory
+                    self.disk_error = exc
+                    log.warning("%s: cannot keep tracking calls on disk (%s); they wait in memory to be sent",
+                                self.path, exc)
             self._ops.append(op)
             self._cond.notify_all()
 
@@ -90,7 +98,11 @@ class Outbox:
             failures = 0
             with self._cond:
                 self._sent += 1
-                write_text(self._sent_path, f"{self._sent}\n")
+                if self.disk_error is None:
+                    try:
+                        write_text(self._sent_path, f"{self._sent}\n")
+                    except (OSError, PipelineError) as exc:  # the file on disk goes stale: stop writing it
+                        self.disk_error = exc
                 self._cond.notify_all()
 
 

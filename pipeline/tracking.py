@@ -253,6 +253,11 @@ class ModeRun:
         self.outbox.close()
         if left:
             error = getattr(self.outbox, "last_error", None)
+            if getattr(self.outbox, "disk_error", None) is not None:
+                raise PipelineError(
+                    f"{self.mode}: the tracking server {self.uri} did not take this training's tracking within "
+                    f"tracking.outage_wait_s = {wait_s:g} s ({error}), and {left} calls could not be kept on disk "
+                    f"either ({self.outbox.disk_error}): they are lost. Training's outputs are saved")
             raise PipelineError(
                 f"{self.mode}: the tracking server {self.uri} did not take this training's tracking within "
                 f"tracking.outage_wait_s = {wait_s:g} s ({error}). Training's outputs are saved; what rank "

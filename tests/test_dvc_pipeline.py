@@ -205,6 +205,8 @@ def metric_row(dom: str, name: str) -> list[str]:
 def test_the_printed_link_opens_the_training_runs_in_a_real_browser(repro, tmp_path):
     """What a person sees: the link the compare stage prints, opened in headless Chromium on a
     real `mlflow server` over the pipeline's own store (what `make ui` starts)."""
+    from mlflow import MlflowClient
+
     from tests.conftest import free_port, subprocess_env
 
     project, _, result = repro
@@ -234,14 +236,15 @@ def test_the_printed_link_opens_the_training_runs_in_a_real_browser(repro, tmp_p
         text = re.sub(r"<[^>]+>", "", runs_page)  # tags and React's empty comments
         assert text.count(f"mnist-train ({digest})") >= len(MODES)  # the Dataset column of each mode run
         compare_link = re.search(r"MLflow: every number compared at (\S+)", result.stdout).group(1)
-        for mode in MODES:  # the three mode runs, by the ids their training recorded
-            assert json.loads((project / "models" / mode / "mlflow_run.json").read_text())["parent"] in compare_link
+        # The runs it names are that repro's three mode runs (later tests here train others).
+        client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+        runs = [client.get_run(run_id) for run_id in re.findall(r'"([0-9a-f]{32})"', compare_link)]
+        assert sorted(r.info.run_name for r in runs) == sorted(MODES)
         compare_page = chromium_dom(compare_link.replace("http://127.0.0.1:5000", base), tmp_path,
                                     Path(shots) / "mlflow-compare.png" if shots else None)
         assert "Comparing 3 Runs" in compare_page
         shown = [float(value) for value in metric_row(compare_page, "test_accuracy")]
-        expected = [json.loads((project / "metrics/eval" / f"{mode}.json").read_text())["accuracy"] for mode in MODES]
-        assert sorted(shown) == sorted(round(value, 3) for value in expected)
+        assert sorted(shown) == sorted(round(r.data.metrics["test_accuracy"], 3) for r in runs)
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)

@@ -59,3 +59,13 @@ def test_a_restarted_process_sends_the_earlier_attempts_leftovers_first(tmp_path
     second = Outbox(tmp_path / "box", "rank-0", server, target="http://server")
     second.put({"n": 1})
     assert second.drain(30) == 0 and server.got == [0, 1]
+
+
+def test_a_disk_that_cannot_keep_them_leaves_the_calls_in_memory_without_stopping(tmp_path):
+    server = Flaky()
+    box = Outbox(tmp_path / "box", "rank-0", server, target="http://server")
+    (tmp_path / "box/rank-0.jsonl").mkdir()  # appending to it fails, as on a full disk
+    box.put({"n": 0})
+    box.put({"n": 1})
+    assert box.disk_error is not None
+    assert box.drain(30) == 0 and server.got == [0, 1]  # still sent, in order
