@@ -240,8 +240,10 @@ def test_the_kubeflow_trainjob_command_under_the_environment_trainer_injects(hos
     job = next(d for d in yaml.safe_load_all((ROOT / "deploy/kubernetes/trainjob.yaml").read_text())
                if d["kind"] == "TrainJob")
     trainer = job["spec"]["trainer"]
-    manifest_env = {e["name"]: e["value"] for e in trainer["env"]}
-    manifest_env["MLFLOW_TRACKING_URI"] = tracking_server  # the test's server, not the example's
+    # What Kubernetes resolves: a literal value, or the ConfigMap entry (here, the test's server).
+    config_map = {"MLFLOW_TRACKING_URI": tracking_server}
+    manifest_env = {e["name"]: e["value"] if "value" in e else config_map[e["valueFrom"]["configMapKeyRef"]["key"]]
+                    for e in trainer["env"]}
     dirs = node_dirs(small_project, tmp_path)
     procs = []
     for node_rank, (host, folder) in enumerate(zip(hosts, dirs)):
