@@ -100,15 +100,26 @@ def assert_runs_complete(project: Path, uri: str) -> None:
     assert all(torch.equal(logged.state_dict()[k], saved[k]) for k in saved)
 
 
-def test_training_never_waits_and_everything_arrives_when_the_server_is_back(tmp_path, mnist_dir):
-    project = project_with(tmp_path, mnist_dir, "back", train={"epochs": EPOCHS},
-                           tracking={"outage_wait_s": 300, "system_metrics": False})
+def server_killed_after_epoch_1(tmp_path: Path, mnist_dir: Path, outage_wait_s: float):
+    """A training of EPOCHS epochs whose tracking server dies once epoch 1 is logged."""
+    project = project_with(tmp_path, mnist_dir, "proj", train={"epochs": EPOCHS},
+                           tracking={"outage_wait_s": outage_wait_s, "system_metrics": False})
     server = Server(tmp_path / "server")
     server.start()
     training = Training(project, server.uri)
     try:
         training.wait_for("single epoch 1/4")
+    except BaseException:
+        training.proc.kill()
+        raise
+    finally:
         server.kill()
+    return project, server, training
+
+
+def test_training_never_waits_and_everything_arrives_when_the_server_is_back(tmp_path, mnist_dir):
+    project, server, training = server_killed_after_epoch_1(tmp_path, mnist_dir, outage_wait_s=300)
+    try:
         # Every later epoch ends while the server is away: the loop does not wait on it.
         training.wait_for(f"single epoch {EPOCHS}/{EPOCHS}")
         assert training.proc.poll() is None  # waiting for the server, with everything kept on disk
@@ -125,14 +136,8 @@ def test_training_never_waits_and_everything_arrives_when_the_server_is_back(tmp
 
 
 def test_a_server_that_never_comes_back_fails_the_stage_clearly_and_send_runs_completes_the_runs(tmp_path, mnist_dir):
-    project = project_with(tmp_path, mnist_dir, "gone", train={"epochs": EPOCHS},
-                           tracking={"outage_wait_s": 3, "system_metrics": False})
-    server = Server(tmp_path / "server")
-    server.start()
-    training = Training(project, server.uri)
+    project, server, training = server_killed_after_epoch_1(tmp_path, mnist_dir, outage_wait_s=3)
     try:
-        training.wait_for("single epoch 1/4")
-        server.kill()
         output = training.finish()
     finally:
         training.proc.kill()
