@@ -1,8 +1,10 @@
-"""Per-epoch checkpoints (the loop writes them atomically) and the check that a resume continues
-the same run."""
+"""Per-epoch checkpoints (the loop writes them atomically), the check that a resume continues
+the same run, and the record that tells an interrupted training from a finished one."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,9 @@ from pipeline.parallel import Rank, all_gather_objects, broadcast_object
 
 CHECKPOINT_FILE = "checkpoint.pt"
 MODEL_FILE = "model.pt"
+# Written when the `train` command starts a training, removed once its outputs are complete: if it
+# is there, that training was interrupted (a failure, a kill, a lost machine).
+UNFINISHED_FILE = "unfinished.json"
 # The settings that shape the trajectory: resuming under other values would not end where an
 # uninterrupted run ends, so it is refused. (nproc may change: DDP sees the same global batches.)
 TRAJECTORY_KEYS = ("model", "epochs", "batch_size", "lr", "weight_decay", "seed")
@@ -32,15 +37,19 @@ def load_checkpoint(path: Path, expected: dict[str, Any]) -> dict[str, Any]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise PipelineError(f"{path}: unreadable checkpoint ({exc}); delete it and train from scratch") from None
-    saved = state.get("trajectory", {})
-    changed = sorted(k for k in expected if saved.get(k) != expected[k])
-    if changed:
-        details = ", ".join(f"{k}: {saved.get(k)!r} -> {expected[k]!r}" for k in changed)
+    details = settings_changed(state, expected)
+    if details:
         raise PipelineError(
             f"{path}: cannot resume, the settings changed since the checkpoint ({details}); "
             "restore them or train from scratch without --resume"
         )
     return state
+
+
+def settings_changed(state: dict[str, Any], expected: dict[str, Any]) -> str:
+    """'key: saved -> now, ...' for each trajectory setting that differs; '' if none."""
+    saved = state.get("trajectory", {})
+    return ", ".join(f"{k}: {saved.get(k)!r} -> {expected[k]!r}" for k in sorted(expected) if saved.get(k) != expected[k])
 
 
 def resume_state(path: Path, expected: dict[str, Any], asked: bool, restarted: bool, rank: Rank) -> dict[str, Any] | None:
@@ -73,3 +82,39 @@ def resume_state(path: Path, expected: dict[str, Any], asked: bool, restarted: b
     if asked:
         raise PipelineError(f"{path}: no checkpoint to resume from on any node; train without --resume first")
     return None
+
+
+def inputs_digest(data_dir: Path, code_dirs: list[Path]) -> str:
+    """What decides a training besides its settings: the prepared data and the code. An interrupted
+    training goes on by itself only if these are as they were when it started."""
+    digest = hashlib.md5()
+    files = sorted(data_dir.glob("*.pt")) + sorted(f for folder in code_dirs for f in folder.glob("*.py"))
+    for path in files:
+        digest.update(f"{path.parent.name}/{path.name}\0".encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def unfinished(out_dir: Path) -> dict | None:
+    """The record of an interrupted training in `out_dir`, or None if the last one finished."""
+    path = out_dir / UNFINISHED_FILE
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return {}  # unreadable: an interrupted training of unknown inputs, so never continued
+
+
+def why_not_continue(out_dir: Path, record: dict, expected: dict[str, Any], inputs: str) -> str | None:
+    """None if the interrupted training in `out_dir` can go on and end where an uninterrupted one
+    would; otherwise why not, for the log."""
+    path = out_dir / CHECKPOINT_FILE
+    if not path.is_file():
+        return "it ended before its first checkpoint"
+    if record.get("inputs") != inputs:
+        return "the prepared data or the code changed since it started"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        return f"its checkpoint {path} is unreadable ({exc})"
+    details = settings_changed(state, expected)
+    return f"its settings changed ({details})" if details else None

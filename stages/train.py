@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import shutil
+import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -13,7 +15,8 @@ import torch
 
 from pipeline import parallel, tracking
 from pipeline.atomic import save_torch, writable_folder, write_json, write_text
-from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, resume_state, trajectory
+from pipeline import checkpoint
+from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, UNFINISHED_FILE, resume_state, trajectory
 from pipeline.config import MODES, Config, flatten, load_config
 from pipeline.errors import PipelineError
 from pipeline.loop import Training, to_device
@@ -23,6 +26,7 @@ from stages.common import model_dir, params_option, read_run_ids, run_ids_file
 from stages.workers import launch_workers, run_facts, submit_to_slurm
 
 log = logging.getLogger(__name__)
+CODE_DIRS = [Path(checkpoint.__file__).parent, Path(__file__).parent]  # the pipeline and stages packages
 METRICS_DIR = Path("metrics/train")
 CURVES_DIR = Path("plots/train")
 CURVE_COLUMNS = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
@@ -130,6 +134,31 @@ def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.R
     runs.finish_parent(out / MODEL_FILE, example, [out / CHECKPOINT_FILE, curves, params_path])
 
 
+def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
+    """Whether this training continues an interrupted one in models/<mode> (dvc.yaml keeps that
+    folder between attempts). It does when the settings, the prepared data and the code are as they
+    were, so it ends where an uninterrupted training would, in the same MLflow runs. One that
+    cannot go on leaves no RUNNING run behind and no checkpoint to be taken for this one's."""
+    out = model_dir(mode)
+    inputs = checkpoint.inputs_digest(data_dir, CODE_DIRS)
+    record = checkpoint.unfinished(out)
+    go_on = asked  # --resume: continue whatever is there (the workers check its settings)
+    if record is not None and not asked:
+        why_not = checkpoint.why_not_continue(out, record, trajectory(config.train, mode), inputs)
+        go_on = why_not is None
+        if go_on:
+            log.info("%s: continuing the training interrupted in %s", mode, out)
+        else:
+            log.warning("%s: the training interrupted in %s cannot go on: %s; starting afresh, its MLflow "
+                        "runs end FAILED", mode, out, why_not)
+            tracking.fail_unfinished(config.tracking, read_run_ids(mode))
+    if not go_on:  # what an earlier training left there (its logs are in MLflow and DVC's cache)
+        (out / CHECKPOINT_FILE).unlink(missing_ok=True)
+        shutil.rmtree(out / "logs", ignore_errors=True)
+    write_json(out / UNFINISHED_FILE, {"inputs": inputs, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    return go_on
+
+
 @click.command()
 @params_option
 @click.option("--mode", type=click.Choice(MODES), required=True, help="single, dp (DataParallel) or ddp.")
@@ -139,12 +168,15 @@ def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
     """Train one mode. For ddp, starts one worker per device (or submits the Slurm job, with
     train.launcher: slurm) unless already under torchrun."""
     config = load_config(params_path)
-    if parallel.rank_from_env().is_main:  # before any work: training is lost if it cannot be saved
-        for folder in (model_dir(mode), METRICS_DIR, CURVES_DIR):
-            writable_folder(folder)
-    if config.tracking.enabled and not parallel.under_torchrun():
+    if parallel.under_torchrun():  # a worker: the launcher (this command, torchrun or a scheduler) decided
+        if parallel.rank_from_env().is_main:
+            check_output_folders(mode)
+        run_worker(config, Path(params_path), mode, Path(data_dir), resume)
+        return
+    check_output_folders(mode)
+    if config.tracking.enabled:
         tracking.check_store(tracking.tracking_uri())
-    if mode == "ddp" and not parallel.under_torchrun():
+    if mode == "ddp":
         # Fail here, before any worker starts, on what would fail in every worker.
         workers = config.train.nproc or (1 if config.train.launcher == "slurm" else parallel.default_nproc())
         nodes = config.train.nodes if config.train.launcher == "slurm" else 1
@@ -152,21 +184,34 @@ def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
         if config.tracking.enabled:  # a store on one node's disk cannot take ranks from several
             tracking.check_worker_store(parallel.Rank(world_size=workers * nodes, local_world_size=workers))
         load_stats(Path(data_dir))
-        command = (["train", "--mode", "ddp", "--params", params_path, "--data-dir", data_dir]
-                   + (["--resume"] if resume else []))
-        try:
-            if config.train.launcher == "slurm":
-                submit_to_slurm(config, command, model_dir(mode) / "logs")
-                if not (model_dir(mode) / MODEL_FILE).is_file():
-                    raise PipelineError(
-                        f"the Slurm job ended, but {model_dir(mode) / MODEL_FILE} is not here: rank 0 wrote it on "
-                        "its node's disk. Submit from a directory every node shares")
-            else:
-                launch_workers(config, command)
-        except BaseException:
-            # A worker killed outright (SIGKILL, out of memory) could not end its own run: the
-            # launcher ends every run of this training that is still RUNNING.
-            tracking.fail_unfinished(config.tracking, read_run_ids(mode))
-            raise
-        return
-    run_worker(config, Path(params_path), mode, Path(data_dir), resume)
+    resume = pick_up(config, mode, Path(data_dir), asked=resume)
+    if mode == "ddp":
+        launch_ddp(config, params_path, data_dir, resume)
+    else:
+        run_worker(config, Path(params_path), mode, Path(data_dir), resume)
+    (model_dir(mode) / UNFINISHED_FILE).unlink()  # only now: every output is in place
+
+
+def check_output_folders(mode: str) -> None:
+    """Before any work: training is lost if it cannot be saved."""
+    for folder in (model_dir(mode), METRICS_DIR, CURVES_DIR):
+        writable_folder(folder)
+
+
+def launch_ddp(config: Config, params_path: str, data_dir: str, resume: bool) -> None:
+    command = (["train", "--mode", "ddp", "--params", params_path, "--data-dir", data_dir]
+               + (["--resume"] if resume else []))
+    try:
+        if config.train.launcher == "slurm":
+            submit_to_slurm(config, command, model_dir("ddp") / "logs")
+            if not (model_dir("ddp") / MODEL_FILE).is_file():
+                raise PipelineError(
+                    f"the Slurm job ended, but {model_dir('ddp') / MODEL_FILE} is not here: rank 0 wrote it on "
+                    "its node's disk. Submit from a directory every node shares")
+        else:
+            launch_workers(config, command)
+    except BaseException:
+        # A worker killed outright (SIGKILL, out of memory) could not end its own run: the
+        # launcher ends every run of this training that is still RUNNING.
+        tracking.fail_unfinished(config.tracking, read_run_ids("ddp"))
+        raise
