@@ -22,7 +22,7 @@ MODEL_FILE = "model.pt"
 UNFINISHED_FILE = "unfinished.json"
 # The settings that shape the trajectory: resuming under other values would not end where an
 # uninterrupted run ends, so it is refused. (nproc may change: DDP sees the same global batches.)
-TRAJECTORY_KEYS = ("model", "epochs", "batch_size", "lr", "weight_decay", "seed")
+TRAJECTORY_KEYS = ("model", "epochs", "batch_size", "lr", "weight_decay", "label_smoothing", "seed")
 
 
 def trajectory(config: TrainConfig, mode: str) -> dict[str, Any]:

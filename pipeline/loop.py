@@ -180,7 +180,7 @@ def wrap_for_mode(model: nn.Module, config: TrainConfig, device: torch.device, m
 
 
 def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, batch: int,
-              clock: PhaseClock, show_bar: bool, desc: str):
+              clock: PhaseClock, show_bar: bool, desc: str, label_smoothing: float = 0.0):
     """One pass over this rank's indices; returns (loss sum, correct count, each step's loss), all
     still on the device: a .item() per step would sync every step."""
     device = data.labels.device
@@ -194,7 +194,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
         images, labels = data.images[idx], data.labels[idx]
         clock.mark()
         logits = wrapped(images)  # in the configured precision: the model enters autocast itself
-        loss = F.cross_entropy(logits.float(), labels)
+        loss = F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         clock.mark()
@@ -257,7 +257,8 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         first_step = epoch * steps + 1
         loss_sum, correct, losses = run_epoch(
             wrapped, optimizer, scheduler, train_split, order, batch,
-            clock=clock, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}")
+            clock=clock, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
+            label_smoothing=config.label_smoothing)
         train_time = time.perf_counter() - started
 
         rank_samples = len(order)

@@ -14,6 +14,11 @@ def test_project_params_load():
     assert set(config.train.modes) == {"single", "dp", "ddp"}
 
 
+def test_the_defaults_are_params_yamls():
+    # A key left out of a user's params file means what the project's params.yaml says.
+    assert load_config(ROOT / "params.yaml") == Config()
+
+
 def test_config_is_frozen():
     config = config_from_dict({})
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -32,6 +37,7 @@ def test_empty_params_give_defaults():
         ({"train": {"lr": -0.1}}, ["train.lr = -0.1", "> 0"]),
         ({"train": {"lr": 0}}, ["train.lr = 0", "> 0"]),
         ({"train": {"lr": "fast"}}, ["train.lr = 'fast'", "a number"]),
+        ({"train": {"label_smoothing": 1.0}}, ["train.label_smoothing = 1.0", "up to, not including, 1"]),
         ({"train": {"batch_size": 0}}, ["train.batch_size = 0", ">= 1"]),
         ({"train": {"batch_size": 12.5}}, ["train.batch_size = 12.5", "an integer"]),
         ({"train": {"epochs": True}}, ["train.epochs = True", "an integer"]),

@@ -18,7 +18,7 @@ def test_queued_and_temp_experiments_land_in_the_projects_store(tmp_path, mnist_
     run(["git", "add", "-A"], project)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"], project)
     baseline = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
-    experiments = {"lr-high": "0.02", "lr-low": "0.005"}
+    experiments = {"lr-high": "0.03", "lr-low": "0.005"}
     try:
         for name, lr in experiments.items():
             run(["dvc", "exp", "run", "--queue", "-n", name, "-S", f"train.lr={lr}"], project, **env)

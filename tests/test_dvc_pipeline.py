@@ -73,7 +73,7 @@ def test_each_stage_depends_only_on_the_params_it_reads(repro):
     params = project / "params.yaml"
     original = params.read_text()
     try:
-        params.write_text(original.replace("lr: 0.01", "lr: 0.02"))
+        params.write_text(original.replace("lr: 0.02", "lr: 0.03"))
         changed = json.loads(run(["dvc", "status", "--json"], project, **env).stdout)
         assert set(changed) - {"commcheck"} == {f"train@{m}" for m in MODES}  # commcheck: always
     finally:

@@ -83,13 +83,13 @@ def test_an_interrupted_training_with_other_settings_starts_afresh(project, rest
     project, env, _ = project
     params = project / "params.yaml"
     text = params.read_text()
-    assert "lr: 0.01\n" in text
-    params.write_text(text.replace("lr: 0.01\n", "lr: 0.02\n"))
+    assert "lr: 0.02\n" in text
+    params.write_text(text.replace("lr: 0.02\n", "lr: 0.03\n"))
     crashed = run(["dvc", "repro", "train@single"], project, check=False, **env, MNIST_PIPELINE_CRASH_AFTER_EPOCH="1")
     assert crashed.returncode != 0
-    params.write_text(text.replace("lr: 0.01\n", "lr: 0.03\n"))
+    params.write_text(text.replace("lr: 0.02\n", "lr: 0.04\n"))
     again = run(["dvc", "repro", "train@single"], project, **env)
-    assert "the training interrupted in models/single cannot go on: its settings changed (lr: 0.02 -> 0.03)" \
+    assert "the training interrupted in models/single cannot go on: its settings changed (lr: 0.03 -> 0.04)" \
         in again.stderr, again.stderr[-3000:]
     assert "single epoch 1/2" in again.stderr and "single epoch 2/2" in again.stderr
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
@@ -98,4 +98,4 @@ def test_an_interrupted_training_with_other_settings_starts_afresh(project, rest
     assert [[c.info.status for c in children] for _, children in mode_runs(client, "single")] == \
         [["FINISHED"], ["FAILED"], ["FINISHED"]]
     state = torch.load(project / "models/single/checkpoint.pt", weights_only=True)
-    assert state["trajectory"]["lr"] == 0.03 and [h["epoch"] for h in state["history"]] == [1, 2]
+    assert state["trajectory"]["lr"] == 0.04 and [h["epoch"] for h in state["history"]] == [1, 2]

@@ -80,9 +80,9 @@ def test_outer_torchrun_restart_resumes_automatically(small_project):
 def test_resume_without_checkpoint_or_with_changed_settings(small_project, tmp_path):
     params = small_project / "params.yaml"
     changed = tmp_path / "params.yaml"
-    changed.write_text(params.read_text().replace("lr: 0.01", "lr: 0.02"))
+    changed.write_text(params.read_text().replace("lr: 0.02", "lr: 0.03"))
     result = train_cli(small_project, "single", "--resume", "--params", str(changed), check=False)
-    assert result.returncode == 1 and "lr: 0.01 -> 0.02" in result.stderr
+    assert result.returncode == 1 and "lr: 0.02 -> 0.03" in result.stderr
 
 
 @pytest.mark.parametrize(
