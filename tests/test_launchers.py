@@ -75,12 +75,21 @@ def test_a_ray_train_worker_reuses_its_process_group_and_trains_in_a_thread(smal
 
 
 def test_the_library_never_imports_its_front_end():
-    """pipeline/ is the library, stages/ the CLI on top of it: imports go one way only."""
+    """pipeline/ is the library, stages/ the CLI on top of it: imports go one way only (but for
+    pipeline/__main__.py, the entry point `python -m pipeline`, which nothing imports)."""
     offenders = []
-    for path in sorted((ROOT / "pipeline").glob("*.py")):
+    for path in sorted(set((ROOT / "pipeline").glob("*.py")) - {ROOT / "pipeline/__main__.py"}):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             offenders += [f"{path.name}: {name}" for name in names if name.split(".")[0] == "stages"]
     assert offenders == []
-    assert not (ROOT / "pipeline/__main__.py").exists()
+
+
+def test_python_m_pipeline_and_python_m_stages_are_the_cli():
+    for package in ("pipeline", "stages"):
+        result = subprocess.run([sys.executable, "-m", package, "--help"], cwd=ROOT, capture_output=True, text=True,
+                                env=subprocess_env())
+        assert result.returncode == 0, result.stderr
+        for command in ("prepare", "commcheck", "train", "evaluate", "compare", "send-runs"):
+            assert command in result.stdout
