@@ -7,7 +7,8 @@ to the next one; for a train stage, the time from its start to its first step is
 line's time less that epoch's time (plots/train/<mode>.csv), and the time from its last step to its
 exit runs from its last epoch line to the next stage. The ratio that matters is the whole repro's
 wall time over the sum of the three training loops (`train_time_s`), #13's fixed-cost target
-being at most 1.4.
+being at most 1.4. Then it times what one fresh process pays to import torch, MLflow and matplotlib,
+which every stage pays again.
 
     MNIST_SOURCE=../shared/data/mnist .venv/bin/python benchmarks/pipeline_overhead.py [--repeats 3]
 """
@@ -78,6 +79,28 @@ def breakdown(project: Path, wall: float, lines: list[tuple[float, str]]) -> dic
     return {"wall_s": wall, "loops_s": loops, "ratio": wall / loops, "stages": stages}
 
 
+# What every stage's process pays before it does any work, whatever the stage: the interpreter and
+# the libraries it imports. A fresh process per import, as each stage is one.
+IMPORTS = {
+    "python alone": "pass",
+    "torch": "import torch",
+    "mlflow + its SQL store (a local sqlite:/// store)": "import mlflow.store.tracking.sqlalchemy_store",
+    "matplotlib.pyplot (plots)": "import matplotlib.pyplot",
+}
+
+
+def import_costs(repeats: int) -> dict[str, float]:
+    costs = {}
+    for label, statement in IMPORTS.items():
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-c", statement], check=True)
+            times.append(time.perf_counter() - started)
+        costs[label] = statistics.median(times)
+    return costs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="whole runs; the medians count")
@@ -109,6 +132,12 @@ def main() -> None:
     wall, loops = median(lambda r: r["wall_s"]), median(lambda r: r["loops_s"])
     print(f"\nwhole dvc repro {wall:.1f} s, training loops {loops:.1f} s, everything else {wall - loops:.1f} s")
     print(f"fixed cost: wall / loops = {median(lambda r: r['ratio']):.2f} (target at most 1.4)")
+
+    print(f"\nWhat one process pays to start, before any work (fresh process each, median of {args.repeats})\n")
+    print("| import | seconds |")
+    print("|---|---:|")
+    for label, seconds in import_costs(args.repeats).items():
+        print(f"| {label} | {seconds:.2f} |")
 
 
 if __name__ == "__main__":

@@ -20,12 +20,14 @@ import urllib.request
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from pipeline.config import MODES, TrackingConfig
 from pipeline.errors import PipelineError
 from pipeline.lifecycle import stop_signals_unwind
-from pipeline.parallel import Rank, all_gather_objects, broadcast_object, nodes
+
+if TYPE_CHECKING:  # pipeline.parallel imports torch, which compare and send-runs never need
+    from pipeline.parallel import Rank
 
 log = logging.getLogger(__name__)
 # A run prints the project's own lines. MLflow's INFO lines (schema migrations, "Skip logging GPU
@@ -98,6 +100,8 @@ def check_worker_store(rank: Rank) -> None:
     """In each DDP worker, before the process group: with ranks on several machines, a store that
     is a file on one machine's disk would split the runs across machines (each node its own
     mlflow.db), so every rank refuses it alike; rank 0 also checks that the store answers."""
+    from pipeline.parallel import nodes
+
     uri = tracking_uri()
     local_file = uri.startswith(("sqlite:", "file:")) or "://" not in uri
     if nodes(rank) > 1 and local_file:
@@ -434,6 +438,8 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
     if not config.enabled:
         return Untracked()
     from mlflow import MlflowClient
+
+    from pipeline.parallel import all_gather_objects, broadcast_object, nodes
 
     uri = tracking_uri()
     if rank.is_main:

@@ -1,21 +1,29 @@
 """`mnist-pipeline`: one sub-command per DVC stage."""
 
+import importlib
 import logging
 
 import click
 
 from pipeline import __version__
 from pipeline.errors import PipelineError
-from stages.commcheck import commcheck
-from stages.compare import compare
-from stages.evaluate import evaluate
-from stages.prepare import prepare
-from stages.send_runs import send_runs
-from stages.train import train
+
+# Sub-command -> its module, imported only when that command runs: compare and send-runs need
+# neither torch nor the others' imports, and every stage is a process of its own.
+COMMANDS = {"prepare": "stages.prepare", "commcheck": "stages.commcheck", "train": "stages.train",
+            "evaluate": "stages.evaluate", "compare": "stages.compare", "send-runs": "stages.send_runs"}
 
 
 class PipelineGroup(click.Group):
     """Turns a PipelineError into a one-line message and exit code 1, without a traceback."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        return getattr(importlib.import_module(COMMANDS[name]), name.replace("-", "_"))
 
     def invoke(self, ctx: click.Context):
         try:
@@ -29,7 +37,3 @@ class PipelineGroup(click.Group):
 def main() -> None:
     """Train MNIST under single-device, DataParallel and DistributedDataParallel, and compare."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-
-
-for command in (prepare, commcheck, train, evaluate, compare, send_runs):
-    main.add_command(command)

@@ -93,3 +93,11 @@ def test_python_m_pipeline_and_python_m_stages_are_the_cli():
         assert result.returncode == 0, result.stderr
         for command in ("prepare", "commcheck", "train", "evaluate", "compare", "send-runs"):
             assert command in result.stdout
+
+
+def test_compare_and_send_runs_never_load_torch():
+    # Every stage is a process of its own, and importing torch is seconds of a small stage's start.
+    code = "import sys, stages.cli, stages.compare, stages.send_runs; print(sorted({'torch', 'mlflow'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=subprocess_env())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
