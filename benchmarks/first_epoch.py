@@ -1,10 +1,10 @@
 """First epoch against the second, each training in a fresh process as the pipeline runs it.
 
 Copies the project (as pipeline_overhead.py does), prepares all of MNIST once, then runs
-`mnist-pipeline train --mode single` with 2 epochs, tracking off and on, interleaved, and reads each
-epoch's time from plots/train/single.csv. #13 asks for a first epoch at most 10% slower than the
-second, or a measured reason why not; tracking on against off tells whether MLflow's start-up,
-which runs beside the first epoch, is that reason.
+`mnist-pipeline train --mode single` with 2 epochs, tracking off and on, interleaved (the order
+swapped every repeat), and reads each epoch's time from plots/train/single.csv. #13 asks for a
+first epoch at most 10% slower than the second, or a measured reason why not; tracking on against
+off tells whether MLflow's start-up, which runs beside the first epoch, is that reason.
 
     MNIST_SOURCE=../shared/data/mnist .venv/bin/python benchmarks/first_epoch.py [--repeats 3]
 """
@@ -51,8 +51,10 @@ def main() -> None:
         project = copy_project(Path(tmp))
         env["PYTHONPATH"] = str(project)
         subprocess.run(["mnist-pipeline", "prepare"], cwd=project, env=env, check=True, capture_output=True)
-        for _ in range(args.repeats):
-            for setting in ratios:
+        for repeat in range(args.repeats):
+            # Each repeat swaps which setting goes first: whatever one run leaves behind (files still
+            # being written back, a warm page cache) falls on each setting alike.
+            for setting in list(ratios)[:: 1 if repeat % 2 == 0 else -1]:
                 first, second = epoch_times(project, env, tracking=setting == "on")
                 ratios[setting].append((first, second))
                 print(f"tracking {setting}: first epoch {first:.1f} s, second {second:.1f} s", flush=True)

@@ -13,9 +13,8 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline import parallel, tracking
+from pipeline import checkpoint, parallel, tracking
 from pipeline.atomic import save_torch, writable_folder, write_json, write_text
-from pipeline import checkpoint
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, UNFINISHED_FILE, resume_state, trajectory
 from pipeline.config import MODES, Config, flatten, load_config
 from pipeline.errors import PipelineError
