@@ -12,7 +12,6 @@ most 0.5), and the lowest test accuracy over the seeds (target: at least 99.0% o
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -24,10 +23,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline import mnist, parallel  # noqa: E402
+from pipeline import parallel  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.loop import Training, evaluate, to_device, train  # noqa: E402
-from pipeline.prepared import describe, split_train_val  # noqa: E402
+
+import mnist_data  # noqa: E402  (benchmarks/, this script's folder)
 
 # The default before #13: what "today's recipe" means in the issue.
 EARLIER = {"model": "small", "epochs": 2, "batch_size": 128, "lr": 0.01, "weight_decay": 0.0, "label_smoothing": 0.0}
@@ -47,16 +47,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5, help="train.seed = 1..N for each recipe")
     parser.add_argument("--params", default=str(ROOT / "params.yaml"))
     args = parser.parse_args()
-    source = Path(os.environ.get("MNIST_SOURCE", ROOT.parent / "shared" / "data" / "mnist"))
-
     config = load_config(args.params)
-    train_full, _ = mnist.read_split(source, "train", verify=True)
-    test, _ = mnist.read_split(source, "test", verify=True)
-    train_split, val_split = split_train_val(train_full, config.data)
-    stats = describe({"train": train_split}, [], verified=True)  # the prepare stage's normalisation
-    device = torch.device("cpu")
-    data = {name: to_device(split, stats["train_pixel_mean"], stats["train_pixel_std"], device)
-            for name, split in (("train", train_split), ("val", val_split), ("test", test))}
+    splits, mean, std = mnist_data.splits(config.data)
+    data = {name: to_device(split, mean, std, torch.device("cpu")) for name, split in splits.items()}
     torch.set_num_threads(parallel.available_cpus())
 
     recipes = {"earlier": replace(config.train, **EARLIER), "params.yaml": config.train}

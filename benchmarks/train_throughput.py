@@ -38,7 +38,9 @@ from pipeline import mnist, parallel  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.loop import Training, evaluate, to_device, train  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
-from pipeline.prepared import Split, describe, split_train_val  # noqa: E402
+from pipeline.prepared import Split  # noqa: E402
+
+import mnist_data  # noqa: E402  (benchmarks/, this script's folder)
 
 
 def torchvision_root(source: Path, dest: Path) -> Path:
@@ -132,15 +134,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measurements per setup; the median counts")
     parser.add_argument("--params", default=str(ROOT / "params.yaml"))
     args = parser.parse_args()
-    source = Path(os.environ.get("MNIST_SOURCE", ROOT.parent / "shared" / "data" / "mnist"))
-
     config = load_config(args.params)
-    train_full, _ = mnist.read_split(source, "train", verify=True)
-    test, _ = mnist.read_split(source, "test", verify=True)
-    train_split, val_split = split_train_val(train_full, config.data)
-    # The normalisation the prepare stage records, so the default run here is the pipeline's own.
-    stats = describe({"train": train_split}, [], verified=True)
-    mean, std = stats["train_pixel_mean"], stats["train_pixel_std"]
+    data, mean, std = mnist_data.splits(config.data)
+    train_split, val_split, test = data["train"], data["val"], data["test"]
     n = args.steps * config.train.batch_size
     bench_train = Split(train_split.images[:n], train_split.labels[:n])
     tiny_val = Split(val_split.images[:500], val_split.labels[:500])
@@ -148,7 +144,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        root = torchvision_root(source, tmp / "torchvision")
+        root = torchvision_root(mnist_data.source(), tmp / "torchvision")
         rows = []
         for label, world in ((f"single (1x{cpus})", 1), (f"ddp ({args.ranks}x1)", args.ranks)):
             conv, our = [], []
