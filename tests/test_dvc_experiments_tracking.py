@@ -18,7 +18,9 @@ def test_queued_and_temp_experiments_land_in_the_projects_store(tmp_path, mnist_
     run(["git", "add", "-A"], project)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"], project)
     baseline = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
-    experiments = {"lr-high": "0.03", "lr-low": "0.005"}
+    # Each unlike the default (0.02), and each trains the small slice past the quality gate (at
+    # 0.03 it does not, and evaluate fails the experiment, as it should).
+    experiments = {"lr-high": "0.015", "lr-low": "0.005"}
     try:
         for name, lr in experiments.items():
             run(["dvc", "exp", "run", "--queue", "-n", name, "-S", f"train.lr={lr}"], project, **env)
@@ -33,8 +35,8 @@ def test_queued_and_temp_experiments_land_in_the_projects_store(tmp_path, mnist_
         assert status.count("Success") == 2, status
     finally:
         run(["dvc", "queue", "stop", "--kill"], project, check=False, **env)
-    run(["dvc", "exp", "run", "--temp", "-n", "temp-run", "-S", "train.lr=0.015"], project, **env)
-    experiments["temp-run"] = "0.015"
+    run(["dvc", "exp", "run", "--temp", "-n", "temp-run", "-S", "train.lr=0.01"], project, **env)
+    experiments["temp-run"] = "0.01"
 
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     ids = [e.experiment_id for e in client.search_experiments()]
