@@ -30,13 +30,17 @@ def trajectory(config: TrainConfig, mode: str) -> dict[str, Any]:
     return {"mode": mode, **{key: settings[key] for key in TRAJECTORY_KEYS}}
 
 
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise PipelineError(f"{path}: unreadable checkpoint ({exc}); delete it and train from scratch") from None
+
+
 def load_checkpoint(path: Path, expected: dict[str, Any]) -> dict[str, Any]:
     if not path.is_file():
         raise PipelineError(f"{path}: no checkpoint to resume from; train without --resume first")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise PipelineError(f"{path}: unreadable checkpoint ({exc}); delete it and train from scratch") from None
+    state = read_checkpoint(path)
     details = settings_changed(state, expected)
     if details:
         raise PipelineError(
@@ -110,11 +114,13 @@ def why_not_continue(out_dir: Path, record: dict, expected: dict[str, Any], inpu
     path = out_dir / CHECKPOINT_FILE
     if not path.is_file():
         return "it ended before its first checkpoint"
-    if record.get("inputs") != inputs:
+    if "inputs" not in record:
+        return f"{out_dir / UNFINISHED_FILE} is unreadable"
+    if record["inputs"] != inputs:
         return "the prepared data or the code changed since it started"
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        return f"its checkpoint {path} is unreadable ({exc})"
+        state = read_checkpoint(path)
+    except PipelineError as exc:
+        return str(exc)
     details = settings_changed(state, expected)
     return f"its settings changed ({details})" if details else None

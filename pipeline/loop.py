@@ -180,7 +180,7 @@ def wrap_for_mode(model: nn.Module, config: TrainConfig, device: torch.device, m
 
 
 def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, batch: int,
-              clock: PhaseClock, show_bar: bool, desc: str, label_smoothing: float = 0.0):
+              clock: PhaseClock, show_bar: bool, desc: str, label_smoothing: float):
     """One pass over this rank's indices; returns (loss sum, correct count, each step's loss), all
     still on the device: a .item() per step would sync every step."""
     device = data.labels.device
