@@ -84,6 +84,10 @@ def breakdown(project: Path, wall: float, lines: list[tuple[float, str]]) -> dic
 IMPORTS = {
     "python alone": "pass",
     "torch": "import torch",
+    # torch.optim's optimizers import torch._dynamo on first use (their methods are wrapped in
+    # torch._disable_dynamo): every training process pays it, compiled or not.
+    "torch + a first optimizer (imports torch._dynamo)":
+        "import torch; torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])",
     "mlflow + its SQL store (a local sqlite:/// store)": "import mlflow.store.tracking.sqlalchemy_store",
     "matplotlib.pyplot (plots)": "import matplotlib.pyplot",
 }
