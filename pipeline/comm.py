@@ -211,17 +211,42 @@ def checkable(world_size: int) -> tuple[str, ...]:
 
 
 def sweep(rank: Rank, device, config) -> dict:
-    """Every primitive at every size on this rank: {"timings": [...], "failures": {primitive: ...}}."""
+    """Every primitive at every size on this rank: {"timings": [...], "failures": {primitive: ...}}.
+
+    With `config.budget_s`, a primitive's sizes stop growing when the next one would overrun its
+    share of the budget."""
     timings, failures = [], {}
-    for primitive in checkable(rank.world_size):
+    primitives = checkable(rank.world_size)
+    with_payload = [p for p in primitives if p != "barrier"]
+    share = config.budget_s / len(with_payload)
+    for primitive in primitives:
         # A barrier carries no payload: one measurement, its latency.
-        for size in [0] if primitive == "barrier" else sizes(config.min_bytes, config.max_bytes, config.factor):
+        swept = [0] if primitive == "barrier" else sizes(config.min_bytes, config.max_bytes, config.factor)
+        spent, previous = 0.0, None
+        for i, size in enumerate(swept):
+            started = time.perf_counter()
             seconds, mismatch = measure(primitive, rank, size, device, config.warmup, config.iters)
+            took = time.perf_counter() - started
+            spent += took
             timings.append({"primitive": primitive, "bytes": size, "seconds": seconds})
             if mismatch and primitive not in failures:
                 expected, got, index = mismatch
                 failures[primitive] = {"bytes": size, "index": index, "expected": expected, "got": got}
+            # The next size costs this one's time times the growth from the last size: about 1 while
+            # latency rules, up to `factor` once bandwidth does. Every rank must stop at the same size
+            # (a collective one rank skips hangs the others): the slowest rank's estimate decides.
+            growth = min(config.factor, max(1.0, seconds / previous)) if previous else 1.0
+            previous = seconds
+            if config.budget_s and i + 1 < len(swept) and slowest(spent + took * growth, device) > share:
+                break
     return {"rank": rank.rank, "timings": timings, "failures": failures}
+
+
+def slowest(seconds: float, device) -> float:
+    """The largest of every rank's `seconds`."""
+    value = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value.item()
 
 
 def failure_message(per_rank: list[dict], backend: str) -> str | None:

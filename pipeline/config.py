@@ -112,6 +112,10 @@ class CommcheckConfig:
     factor: int = field(default=4, metadata=_at_least(2))
     warmup: int = field(default=3, metadata=_at_least(0))
     iters: int = field(default=10, metadata=_at_least(1))
+    # Seconds the whole sweep may take, shared evenly by the primitives: each stops growing its
+    # message before the next size would overrun its share (every size up to max_bytes on a fast
+    # interconnect, fewer on a slow one). 0 = every size up to max_bytes, however long it takes.
+    budget_s: float = field(default=2.0, metadata=_at_least(0))
 
     def __post_init__(self) -> None:
         if self.max_bytes < self.min_bytes:

@@ -36,6 +36,7 @@ def per_primitive(rows: list[dict], primitives: tuple[str, ...]) -> dict:
         mine = [r for r in rows if r["primitive"] == primitive]
         summary[primitive] = {"passed": True, "latency_us": mine[0]["time_us"]}
         if primitive != "barrier":
+            summary[primitive]["largest_bytes"] = mine[-1]["bytes"]
             summary[primitive]["peak_algbw_gbps"] = max(r["algbw_gbps"] for r in mine)
             summary[primitive]["peak_busbw_gbps"] = max(r["busbw_gbps"] for r in mine)
     return summary
@@ -73,10 +74,19 @@ def run_worker(config: Config) -> None:
                 facts = {"world_size": rank.world_size, "backend": backend, "device": device.type,
                          "devices": devices}
                 checked = comm.checkable(rank.world_size)
+                summary = per_primitive(rows, checked)
                 write_json(METRICS_FILE, {"enabled": True, "passed": True, **facts, "host": socket.gethostname(),
-                                          "primitives": per_primitive(rows, checked), "sweep": rows})
+                                          "primitives": summary, "sweep": rows})
                 write_json(VERDICT_FILE, {"enabled": True, "passed": True, **facts, "primitives": list(checked)})
                 skipped = [p for p in comm.PRIMITIVES if p not in checked]
+                sweep = config.commcheck
+                largest = comm.sizes(sweep.min_bytes, sweep.max_bytes, sweep.factor)[-1]
+                cut = {name: got["largest_bytes"] for name, got in summary.items()
+                       if got.get("largest_bytes", largest) < largest}
+                if cut:
+                    click.echo(f"commcheck: the sweep stopped short of max_bytes ({largest}) to stay within "
+                               f"commcheck.budget_s = {sweep.budget_s:g} s; largest message: "
+                               + ", ".join(f"{name} {size}" for name, size in cut.items()))
                 click.echo(f"commcheck: all {len(checked)} primitives passed on {rank.world_size} ranks ({backend})"
                            + (f"; {', '.join(skipped)} need a second rank" if skipped else ""))
 

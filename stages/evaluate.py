@@ -63,7 +63,7 @@ def evaluate_mode(config: Config, mode: str, trained: TrainedModel, test: Split,
 def evaluate(params_path: str, modes: tuple[str, ...], data_dir: str) -> None:
     """Evaluate each mode's model on the 10,000 test images and log the result to its MLflow run."""
     config = load_config(params_path)
-    modes = modes or config.train.modes
+    modes = tuple(dict.fromkeys(modes)) or config.train.modes  # each once, in the order given
     # Every model first: a missing or damaged one fails the stage before anything is written.
     trained = {mode: load_trained_model(model_dir(mode) / MODEL_FILE) for mode in modes}
     if config.tracking.enabled:
@@ -72,13 +72,14 @@ def evaluate(params_path: str, modes: tuple[str, ...], data_dir: str) -> None:
     results = {mode: evaluate_mode(config, mode, trained[mode], test, Path(data_dir)) for mode in modes}
 
     gate = config.evaluate.min_test_accuracy
-    below = [f"{mode}: test accuracy {r.accuracy:.2%}" for mode, r in results.items() if r.accuracy < gate]
-    if below:
+    failed = [mode for mode, result in results.items() if result.accuracy < gate]
+    if failed:
         # The numbers stay where a person looks (the files above, the MLflow runs); DVC records
         # none of them, since the stage fails.
-        failed = [mode for mode, r in results.items() if r.accuracy < gate]
+        one = len(failed) == 1
         raise PipelineError(
-            f"{'; '.join(below)} is below evaluate.min_test_accuracy = {gate:.2%}: the model is broken or "
-            f"undertrained (see {', '.join(f'metrics/train/{m}.json' for m in failed)} and "
-            f"{', '.join(str(model_dir(m) / 'logs') for m in failed)}); fix the training params, or lower the "
-            "gate in params.yaml")
+            "; ".join(f"{mode}: test accuracy {results[mode].accuracy:.2%}" for mode in failed)
+            + f" {'is' if one else 'are'} below evaluate.min_test_accuracy = {gate:.2%}: "
+            f"{'the model is' if one else 'the models are'} broken or undertrained (see "
+            + ", ".join(f"metrics/train/{mode}.json and {model_dir(mode) / 'logs'}" for mode in failed)
+            + "); fix the training params, or lower the gate in params.yaml")

@@ -13,14 +13,16 @@ from tests.conftest import make_project, project_env, run
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
-    # Small sweep: correctness does not need large messages, and CI has 2 cores.
+    # Small sweep: correctness does not need large messages, and CI has 2 cores. No time budget:
+    # every size, however busy the machine (the budget has a test of its own).
     return make_project(tmp_path_factory.mktemp("comm") / "proj",
-                        {"commcheck": {"max_bytes": 4096, "iters": 3, "warmup": 1}})
+                        {"commcheck": {"max_bytes": 4096, "iters": 3, "warmup": 1, "budget_s": 0}})
 
 
-def commcheck(project, nproc, check=True, **env):
+def commcheck(project, nproc, check=True, budget_s=0, **env):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["train"]["nproc"] = nproc
+    params["commcheck"]["budget_s"] = budget_s
     (project / f"params-{nproc}.yaml").write_text(yaml.safe_dump(params))
     return run(["mnist-pipeline", "commcheck", "--params", f"params-{nproc}.yaml"], project, check=check,
                **project_env(project, **env))
@@ -45,6 +47,19 @@ def test_every_primitive_passes_and_is_recorded(project, nproc):
     assert verdict == {"enabled": True, "passed": True, "world_size": nproc, "backend": "gloo", "device": "cpu",
                        "devices": [report["devices"][0]] * nproc, "primitives": list(PRIMITIVES)}
     assert report["devices"][0].startswith("cpu (")
+
+
+def test_a_time_budget_stops_every_rank_at_the_same_size(project):
+    # A budget no size fits: each primitive is checked and timed at the smallest size only, and
+    # the ranks agree on that (had one gone on alone, the others would hang in their next collective).
+    result = commcheck(project, 2, budget_s=1e-9)
+    assert f"all {len(PRIMITIVES)} primitives passed on 2 ranks (gloo)" in result.stdout
+    assert "the sweep stopped short of max_bytes (4096) to stay within commcheck.budget_s = 1e-09 s" \
+        in result.stdout
+    report = json.loads((project / "metrics/comm.json").read_text())
+    assert sorted((row["primitive"], row["bytes"]) for row in report["sweep"]) == sorted(
+        (primitive, 0 if primitive == "barrier" else 4) for primitive in PRIMITIVES)
+    assert {report["primitives"][p]["largest_bytes"] for p in PRIMITIVES if p != "barrier"} == {4}
 
 
 def test_one_rank_checks_the_collectives_and_says_point_to_point_needs_two(project):
