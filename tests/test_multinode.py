@@ -361,3 +361,36 @@ def test_dvc_repro_submits_ddp_to_slurm_and_waits(hosts, slurm, tracking_server,
     children = [r for r in runs if r["tags"].get(PARENT) == parent_id]
     assert parent["status"] == "FINISHED" and [c["status"] for c in children] == ["FINISHED"] * 2
     assert {c["tags"]["host"] for c in children} == {"node-a", "node-b"}
+
+
+def test_an_interrupted_slurm_training_continues_on_the_next_repro(hosts, slurm, tracking_server, uninterrupted,
+                                                                   mnist_dir, tmp_path):
+    """The job dies after epoch 1 with no restart left in it, so sbatch and the stage fail. The
+    next `dvc repro` submits a new job that continues: epoch 2 only, in the same MLflow runs, to
+    the weights of a training never interrupted."""
+    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "launcher": "slurm",
+                                                                  "nodes": 2, "nproc": 1}})
+    env = {**slurm, **project_env(project, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=tracking_server,
+                                  MNIST_SOURCE=str(mnist_dir))}
+    crashed = hosts[0].run(["dvc", "repro", "train@ddp"], cwd=project, timeout=TWO_NODE_TIMEOUT_S,
+                           env={**env, "MNIST_PIPELINE_CRASH_AFTER_EPOCH": "1", "MAX_RESTARTS": "0"})
+    assert crashed.returncode != 0 and "Slurm job" in crashed.stderr, crashed.stderr[-3000:]
+    assert (project / "models/ddp/unfinished.json").is_file()
+    first = json.loads((project / "models/ddp/mlflow_run.json").read_text())
+
+    resumed = hosts[0].run(["dvc", "repro", "train@ddp"], cwd=project, env=env, timeout=TWO_NODE_TIMEOUT_S)
+    logs = sorted((project / "models/ddp/logs").glob("slurm-*.out"), key=lambda p: int(p.stem.split("-")[1]))
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:] + "".join(p.read_text()[-3000:] for p in logs)
+    assert "ddp: continuing the training interrupted in models/ddp" in output, output[-3000:]
+    crashed_job, resumed_job = (p.read_text() for p in logs)
+    assert "ddp epoch 1/2" in crashed_job and "crashing after epoch 1" in crashed_job
+    assert "ddp epoch 1/2" not in resumed_job and "ddp epoch 2/2" in resumed_job, resumed_job[-3000:]
+    assert not (project / "models/ddp/unfinished.json").exists()
+    assert max_abs_diff(load_weights(rank0_dir(uninterrupted[0]), "ddp"), load_weights(project, "ddp")) == 0.0
+
+    assert json.loads((project / "models/ddp/mlflow_run.json").read_text()) == first  # the same runs, continued
+    runs = server_runs(hosts[0], tracking_server)
+    (parent,) = [r for r in runs if r["id"] == first["parent"]]
+    children = [r for r in runs if r["tags"].get(PARENT) == first["parent"]]
+    assert parent["status"] == "FINISHED" and [c["status"] for c in children] == ["FINISHED"] * 2
