@@ -11,7 +11,12 @@ being at most 1.4. Then it times what each kind of process the pipeline starts p
 before any work, and adds them up in the order `dvc repro` starts them: the part of the fixed cost
 no change short of fewer processes (or lighter libraries) can remove.
 
-    MNIST_SOURCE=../shared/data/mnist .venv/bin/python benchmarks/pipeline_overhead.py [--repeats 3]
+With `--against REV`, each repeat also runs the pipeline of an earlier commit (its files as git
+has them at REV, run with this project's virtual environment), the two in turn, and it prints both
+fixed costs: whether a change made the pipeline cheaper, measured on the same machine in the same
+hour rather than against a number from another day.
+
+    MNIST_SOURCE=../shared/data/mnist .venv/bin/python benchmarks/pipeline_overhead.py [--repeats 3] [--against REV]
 """
 
 from __future__ import annotations
@@ -34,9 +39,15 @@ STAGE_LINE = re.compile(r"^Running stage '([^']+)':")
 EPOCH_LINE = re.compile(r"^(single|dp|ddp) epoch (\d+)/(\d+):")
 
 
-def copy_project(dest: Path) -> Path:
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout.split("\0")
+def copy_project(dest: Path, rev: str | None = None) -> Path:
+    """The project's files (the working tree as git sees it, or commit `rev`) in `dest`, in a fresh
+    git repository of their own, without the outputs of any earlier run."""
+    if rev:
+        archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    files = [] if rev else subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+        capture_output=True, text=True, check=True).stdout.split("\0")
     for name in filter(None, files):
         if (ROOT / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
@@ -118,18 +129,27 @@ def import_costs(repeats: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="whole runs; the medians count")
+    parser.add_argument("--against", metavar="REV", help="also run this commit's pipeline, in turn with this one")
     args = parser.parse_args()
+    if args.against and subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.against}^{{commit}}"],
+                                       cwd=ROOT, stdout=subprocess.DEVNULL).returncode != 0:
+        sys.exit(f"--against {args.against}: no such commit in {ROOT}")  # now, not after the first run
     source = Path(os.environ.get("MNIST_SOURCE", ROOT.parent / "shared" / "data" / "mnist")).resolve()
     env = {**os.environ, "MNIST_SOURCE": str(source), "DVC_NO_ANALYTICS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("MLFLOW_TRACKING_URI", None)  # each copy's own SQLite store, as `make run` has
-    runs = []
+    results: dict[str | None, list[dict]] = {None: []} | ({args.against: []} if args.against else {})
     for repeat in range(args.repeats):
-        with tempfile.TemporaryDirectory(prefix="pipeline-overhead-") as tmp:
-            project = copy_project(Path(tmp))
-            env["PYTHONPATH"] = str(project)
-            runs.append(breakdown(project, *timed_repro(project, env)))
-        print(f"run {repeat + 1}: {runs[-1]['wall_s']:.1f} s, loops {runs[-1]['loops_s']:.1f} s", flush=True)
+        # In turn, the first one changing every repeat: a busier minute falls on both alike.
+        for rev in list(results)[repeat % len(results):] + list(results)[:repeat % len(results)]:
+            with tempfile.TemporaryDirectory(prefix="pipeline-overhead-") as tmp:
+                project = copy_project(Path(tmp), rev)
+                env["PYTHONPATH"] = str(project)
+                results[rev].append(breakdown(project, *timed_repro(project, env)))
+            got = results[rev][-1]
+            print(f"run {repeat + 1}{f' ({rev})' if rev else ''}: {got['wall_s']:.1f} s, loops {got['loops_s']:.1f} s",
+                  flush=True)
+    runs = results[None]
 
     def median(get) -> float:
         return statistics.median(get(run) for run in runs)
@@ -146,6 +166,17 @@ def main() -> None:
     wall, loops = median(lambda r: r["wall_s"]), median(lambda r: r["loops_s"])
     print(f"\nwhole dvc repro {wall:.1f} s, training loops {loops:.1f} s, everything else {wall - loops:.1f} s")
     print(f"fixed cost: wall / loops = {median(lambda r: r['ratio']):.2f} (target at most 1.4)")
+    if args.against:
+        print(f"\nThis tree against {args.against}, the same repeats in turn (medians of {args.repeats})\n")
+        print("| code | whole dvc repro, s | training loops, s | everything else, s | wall / loops |")
+        print("|---|---:|---:|---:|---:|")
+        for rev, got in results.items():
+            cells = [statistics.median(r[key] for r in got) for key in ("wall_s", "loops_s")]
+            cells.append(statistics.median(r["wall_s"] - r["loops_s"] for r in got))
+            cells.append(statistics.median(r["ratio"] for r in got))
+            print(f"| {rev or 'this tree'} | " + " | ".join(f"{c:.1f}" for c in cells[:3]) + f" | {cells[3]:.2f} |")
+        fixed = {rev: statistics.median(r["wall_s"] - r["loops_s"] for r in got) for rev, got in results.items()}
+        print(f"\neverything else, this tree / {args.against}: {fixed[None] / fixed[args.against]:.2f}")
 
     print(f"\nWhat a process pays to start, before any work (a fresh process each, median of {args.repeats})\n")
     print("| process | seconds |")
