@@ -20,7 +20,6 @@ epoch at most 10% slower than the second, or a measured reason why not.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics

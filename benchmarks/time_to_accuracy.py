@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline import parallel  # noqa: E402
+from pipeline import malloc, parallel  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.loop import Training, evaluate, to_device, train  # noqa: E402
 
@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5, help="train.seed = 1..N for each recipe")
     parser.add_argument("--params", default=str(ROOT / "params.yaml"))
     args = parser.parse_args()
+    malloc.keep_freed_memory()  # as in every mnist-pipeline process (stages/cli.py)
     config = load_config(args.params)
     splits, mean, std = mnist_data.splits(config.data)
     data = {name: to_device(split, mean, std, torch.device("cpu")) for name, split in splits.items()}

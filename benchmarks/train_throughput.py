@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline import mnist, parallel  # noqa: E402
+from pipeline import malloc, mnist, parallel  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.loop import Training, evaluate, to_device, train  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
@@ -105,6 +105,7 @@ def worker(local_rank: int, world_size: int, port: int, job: str, args: tuple, r
         os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                           LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     rank = parallel.rank_from_env()
+    malloc.keep_freed_memory()  # as in every mnist-pipeline process (stages/cli.py), for both loops alike
     torch.set_num_threads(max(1, parallel.available_cpus() // world_size))
     job_fn = {"conventional": conventional, "ours": ours, "full": full_default_run}[job]
     if world_size == 1:
