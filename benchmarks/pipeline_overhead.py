@@ -45,13 +45,13 @@ def copy_project(dest: Path, rev: str | None = None) -> Path:
     if rev:
         archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    files = [] if rev else subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-        capture_output=True, text=True, check=True).stdout.split("\0")
-    for name in filter(None, files):
-        if (ROOT / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, dest / name)
+    else:
+        files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.split("\0")
+        for name in filter(None, files):
+            if (ROOT / name).is_file():
+                (dest / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / name, dest / name)
     # Clean state: no outputs, and no dvc.lock that could let DVC skip a stage.
     for generated in ("metrics", "plots", "reports", "checks", "dvc.lock"):
         target = dest / generated
@@ -164,18 +164,17 @@ def main() -> None:
                   for key in ("loop_s", "startup_s", "teardown_s")]
         print(f"| {name} | " + " | ".join("" if c is None else f"{c:.1f}" for c in cells) + " |")
     wall, loops = median(lambda r: r["wall_s"]), median(lambda r: r["loops_s"])
-    print(f"\nwhole dvc repro {wall:.1f} s, training loops {loops:.1f} s, everything else {wall - loops:.1f} s")
+    print(f"\nwhole dvc repro {wall:.1f} s, training loops {loops:.1f} s, "
+          f"everything else {median(lambda r: r['wall_s'] - r['loops_s']):.1f} s")
     print(f"fixed cost: wall / loops = {median(lambda r: r['ratio']):.2f} (target at most 1.4)")
     if args.against:
         print(f"\nThis tree against {args.against}, the same repeats in turn (medians of {args.repeats})\n")
         print("| code | whole dvc repro, s | training loops, s | everything else, s | wall / loops |")
         print("|---|---:|---:|---:|---:|")
-        for rev, got in results.items():
-            cells = [statistics.median(r[key] for r in got) for key in ("wall_s", "loops_s")]
-            cells.append(statistics.median(r["wall_s"] - r["loops_s"] for r in got))
-            cells.append(statistics.median(r["ratio"] for r in got))
-            print(f"| {rev or 'this tree'} | " + " | ".join(f"{c:.1f}" for c in cells[:3]) + f" | {cells[3]:.2f} |")
         fixed = {rev: statistics.median(r["wall_s"] - r["loops_s"] for r in got) for rev, got in results.items()}
+        for rev, got in results.items():
+            wall_s, loops_s, ratio = (statistics.median(r[key] for r in got) for key in ("wall_s", "loops_s", "ratio"))
+            print(f"| {rev or 'this tree'} | {wall_s:.1f} | {loops_s:.1f} | {fixed[rev]:.1f} | {ratio:.2f} |")
         print(f"\neverything else, this tree / {args.against}: {fixed[None] / fixed[args.against]:.2f}")
 
     print(f"\nWhat a process pays to start, before any work (a fresh process each, median of {args.repeats})\n")
