@@ -79,13 +79,13 @@ def loop_alone(project: Path) -> None:
     device, rank = torch.device("cpu"), Rank()
     data = load_prepared(project / "data" / "prepared", ("train",))
     train = loop.to_device(data.splits["train"], data.mean, data.std, device)
-    steps = config.epochs * loop.steps_per_epoch(len(train), config.batch_size, 1)
+    steps = config.epochs * loop.steps_per_epoch(len(train), config.batch_size)
     model, optimizer, scheduler = loop.build(config, steps, device)
     wrapped = loop.wrap_for_mode(model, config, device, "single")
     for epoch in range(config.epochs):
         clock = loop.PhaseClock(device)
-        loop.run_epoch(wrapped, optimizer, scheduler, train, loop.epoch_order(len(train), epoch, config.seed, rank),
-                       config.batch_size, clock=clock, show_bar=False, desc="", label_smoothing=config.label_smoothing)
+        loop.run_epoch(wrapped, optimizer, scheduler, train, loop.epoch_order(len(train), epoch, config.seed),
+                       config.batch_size, rank, clock=clock, show_bar=False, desc="", label_smoothing=config.label_smoothing)
         clock.totals()
 
 

@@ -171,7 +171,11 @@ def make_case(primitive: str, rank: Rank, numel: int, device) -> Case:
             state["out"] = torch.empty(numel, device=device)
         def run() -> None:
             if primitive == "isend_irecv":
-                for work in (dist.irecv(state["out"], src=left), dist.isend(state["buf"], dst=right)):
+                # One group, not two calls: NCCL (initialised eagerly, as `device_id` makes it) runs
+                # unbatched point-to-point ops in order on one stream, so every rank's irecv would
+                # wait for a send queued behind its peer's own irecv (tests/nccl_model.py).
+                ops = [dist.P2POp(dist.irecv, state["out"], left), dist.P2POp(dist.isend, state["buf"], right)]
+                for work in dist.batch_isend_irecv(ops):
                     work.wait()
             elif r % 2 == 0:  # blocking calls around a ring: alternate the order so none deadlocks
                 dist.send(state["buf"], dst=right)

@@ -1,10 +1,16 @@
 """One training loop for every mode.
 
 The data lives on the device as one normalised tensor and batches are gathered by index, so a
-step does no per-sample Python work. Batches follow DistributedSampler's semantics: a permutation
-seeded by (seed + epoch), padded to a multiple of the world size, rank r taking every W-th index.
-Rank r's k-th batch of B/W indices is then exactly its share of perm[k*B:(k+1)*B], so a DDP run
-sees the same global batches as a single-device run, step for step.
+step does no per-sample Python work.
+
+Every mode walks the same global batches: a permutation seeded by (seed + epoch), as
+DistributedSampler's `set_epoch` seeds it, cut into batches of `batch_size` (the last one shorter).
+A DDP rank r of W takes positions r, r + W, r + 2W, ... of each global batch, so the shares differ
+by at most one sample at any world size. Where W divides the batch this is exactly what
+DistributedSampler with a per-rank batch of B/W yields; where it does not, DistributedSampler could
+not give the same global batches at all. Each rank's loss is the sum of its per-sample losses
+divided by L/W (L: the global batch's length), so DDP's average of the ranks' gradients, their sum
+over W, is the single-device gradient of the batch's mean loss, whatever the shares.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from pipeline.parallel import (
     Rank,
     all_gather_objects,
     dp_device_count,
-    per_rank_batch,
+    check_world_size,
     restarted_by_torchrun,
     unwrap,
     wrap,
@@ -62,17 +68,24 @@ def to_device(split: Split, mean: float, std: float, device: torch.device, chann
     return DeviceSplit(images, split.labels.to(device, non_blocking=True))
 
 
-def epoch_order(n: int, epoch: int, seed: int, rank: Rank) -> torch.Tensor:
-    """This rank's indices for `epoch`, exactly as DistributedSampler(shuffle=True) yields them."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
-    padded = math.ceil(n / rank.world_size) * rank.world_size
-    if padded > n:
-        order = torch.cat([order, order[: padded - n]])
-    return order[rank.rank :: rank.world_size]
+def epoch_order(n: int, epoch: int, seed: int) -> torch.Tensor:
+    """Every sample once, in `epoch`'s order: the permutation DistributedSampler(shuffle=True)
+    draws after set_epoch(epoch), the same on every rank and in every mode."""
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
 
 
-def steps_per_epoch(n: int, global_batch: int, world_size: int) -> int:
-    return math.ceil(math.ceil(n / world_size) / (global_batch // world_size))
+def global_batches(order: torch.Tensor, global_batch: int) -> tuple[torch.Tensor, ...]:
+    """The epoch's global batches, the last one shorter when the batch does not divide the data."""
+    return order.split(global_batch)
+
+
+def rank_share(batch: torch.Tensor, rank: Rank) -> torch.Tensor:
+    """Rank r's samples of a global batch: every W-th from position r (parallel.batch_shares)."""
+    return batch[rank.rank :: rank.world_size]
+
+
+def steps_per_epoch(n: int, global_batch: int) -> int:
+    return math.ceil(n / global_batch)
 
 
 class PhaseClock:
@@ -97,6 +110,8 @@ class PhaseClock:
             self.marks.append(time.perf_counter())
 
     def totals(self) -> dict[str, float]:
+        """Seconds per phase at full precision: a phase of microseconds a step (an optimizer step on
+        a fast GPU) must not round to zero. Round only where a person reads it."""
         sums = [0.0] * len(self.PHASES)
         per_step = len(self.PHASES) + 1
         for i in range(0, len(self.marks), per_step):
@@ -104,7 +119,7 @@ class PhaseClock:
             for phase, (start, end) in enumerate(zip(step, step[1:])):
                 sums[phase] += start.elapsed_time(end) / 1000 if self.cuda else end - start
         self.marks.clear()
-        return {name: round(total, 4) for name, total in zip(self.PHASES, sums)}
+        return dict(zip(self.PHASES, sums))
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -179,34 +194,66 @@ def wrap_for_mode(model: nn.Module, config: TrainConfig, device: torch.device, m
     return wrap(with_autocast(model, device, autocast_dtype(device, config.bf16)), mode, device)
 
 
-def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, batch: int,
-              clock: PhaseClock, show_bar: bool, desc: str, label_smoothing: float):
-    """One pass over this rank's indices; returns (loss sum, correct count, each step's loss), all
-    still on the device: a .item() per step would sync every step."""
+def settle_gradient_buckets(wrapped: nn.Module, data: DeviceSplit) -> None:
+    """Let DDP lay out its gradient buckets for good before the first real step.
+
+    DDP reduces the first backward's gradients in parameter order, then lays the bucket out anew
+    in the order they became ready (conv weights before their biases here) and keeps that. The
+    layout decides which elements each rank sums in a ring all-reduce; with 3 or more ranks, sums
+    taken in another order round differently. A run resumed mid-training would reduce its first
+    step in the first layout where the uninterrupted run used the second, and end a few ulps off.
+    One backward of a zero loss (zero gradients, all-reduced, no optimizer step) makes every run,
+    fresh or resumed, train every step in the same layout."""
+    (wrapped(data.images[:1]).float().sum() * 0).backward()
+    wrapped.zero_grad(set_to_none=True)
+
+
+def share_loss(logits: torch.Tensor, labels: torch.Tensor, batch_len: int, world_size: int,
+               label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss to differentiate, the sum of the per-sample losses) for one rank's share of a
+    global batch of `batch_len` samples.
+
+    The sum is divided by batch_len / world_size, not by the share's own length: DDP averages the
+    ranks' gradients, and the average over W of (sum_r / (L/W)) is the whole batch's sum / L, its
+    mean loss, however unevenly the batch was shared. With W = 1 (single, and DataParallel, whose
+    loss sees the gathered outputs of every GPU) it is the batch's mean. Label smoothing acts per
+    sample, so the sum is the same sum a single device takes."""
+    sample_losses = F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing, reduction="sum")
+    return sample_losses / (batch_len / world_size), sample_losses.detach()
+
+
+def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, global_batch: int,
+              rank: Rank, clock: PhaseClock, show_bar: bool, desc: str, label_smoothing: float):
+    """One pass over this rank's shares of the epoch's global batches; returns (loss sum, correct
+    count, each step's mean loss) still on the device, as a .item() per step would sync every step,
+    and the number of samples this rank trained on."""
     device = data.labels.device
-    batches = order.split(batch)
+    batches = global_batches(order, global_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     losses = torch.empty(len(batches), dtype=torch.float32, device=device)
+    samples = 0
     wrapped.train()
-    for i, idx in enumerate(tqdm(batches, desc=desc, disable=not show_bar, leave=False)):
+    for i, batch in enumerate(tqdm(batches, desc=desc, disable=not show_bar, leave=False)):
         clock.mark()
+        idx = rank_share(batch, rank)
         images, labels = data.images[idx], data.labels[idx]
         clock.mark()
         logits = wrapped(images)  # in the configured precision: the model enters autocast itself
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing)
+        loss, sample_losses = share_loss(logits, labels, len(batch), rank.world_size, label_smoothing)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         clock.mark()
         optimizer.step()
         scheduler.step()
         clock.mark()
-        loss_sum += loss.detach() * len(idx)
-        losses[i] = loss.detach()
+        loss_sum += sample_losses
+        losses[i] = sample_losses / max(1, len(idx))
         correct += (logits.detach().argmax(1) == labels).sum()
+        samples += len(idx)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the epoch's time must include its queued kernels
-    return loss_sum, correct, losses
+    return loss_sum, correct, losses, samples
 
 
 def check_finite(mode: str, epoch: int, loss_sum: torch.Tensor, losses: list[float], first_step: int,
@@ -226,8 +273,8 @@ def check_finite(mode: str, epoch: int, loss_sum: torch.Tensor, losses: list[flo
 def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tuple[nn.Module, list[dict]]:
     """Train, checkpoint every epoch; return the trained (unwrapped) model and per-epoch metrics."""
     config, rank, device = run.config, run.rank, run.device
-    batch = per_rank_batch(config.batch_size, rank.world_size)
-    steps = steps_per_epoch(len(train_split), config.batch_size, rank.world_size)
+    check_world_size(config.batch_size, rank.world_size)
+    steps = steps_per_epoch(len(train_split), config.batch_size)
     model, optimizer, scheduler = build(config, config.epochs * steps, device)
     checkpoint_path = run.out_dir / CHECKPOINT_FILE
 
@@ -239,7 +286,10 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, history = state["epoch"], state["history"]
     wrapped = wrap_for_mode(model, config, device, run.mode)
+    if run.mode == "ddp":
+        settle_gradient_buckets(wrapped, train_split)
 
+    # Validation is dealt out as the training batches are: every W-th image from rank r's position.
     val_indices = torch.arange(rank.rank, len(val_split), rank.world_size)
     # The devices whose peak memory is reported: DataParallel's GPUs, or this rank's device.
     memory_devices = list(range(dp_device_count(device))) if run.mode == "dp" else [device.index]
@@ -248,21 +298,20 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
     for epoch in range(start_epoch, config.epochs):
         # Reseeded per epoch and rank, so dropout after a resume draws what it would have drawn.
         torch.manual_seed(config.seed + 10_000 * (epoch + 1) + rank.rank)
-        order = epoch_order(len(train_split), epoch, config.seed, rank).to(device)
+        order = epoch_order(len(train_split), epoch, config.seed).to(device)
         if device.type == "cuda":
             for index in memory_devices:
                 torch.cuda.reset_peak_memory_stats(index)
             torch.cuda.synchronize(device)
         started = time.perf_counter()
         first_step = epoch * steps + 1
-        loss_sum, correct, losses = run_epoch(
-            wrapped, optimizer, scheduler, train_split, order, batch,
+        loss_sum, correct, losses, rank_samples = run_epoch(
+            wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
             clock=clock, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
             label_smoothing=config.label_smoothing)
         train_time = time.perf_counter() - started
 
-        rank_samples = len(order)
-        rank_loss = loss_sum.item() / rank_samples
+        rank_loss = loss_sum.item() / max(1, rank_samples)
         train_sums = all_sum(torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples)]), rank)
         losses = losses.tolist()  # one copy per epoch
         check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)

@@ -137,13 +137,42 @@ def default_nproc() -> int:
     return torch.cuda.device_count() or CPU_ONLY_DEFAULT_NPROC
 
 
-def per_rank_batch(global_batch: int, world_size: int) -> int:
-    if global_batch % world_size:
+def check_world_size(global_batch: int, world_size: int) -> None:
+    """Every rank needs a sample of every full batch; any world size up to the batch has one."""
+    if world_size > global_batch:
         raise ConfigError(
-            f"train.batch_size = {global_batch} does not split evenly across {world_size} ranks; "
-            f"choose a multiple of {world_size} (the global batch is the same in every mode)"
-        )
-    return global_batch // world_size
+            f"train.batch_size = {global_batch} is smaller than the {world_size} DDP ranks, so some ranks would "
+            f"train on nothing: raise train.batch_size to at least {world_size}, or start at most "
+            f"{global_batch} workers (train.nproc, train.nodes)")
+
+
+def batch_shares(batch: int, world_size: int) -> list[int]:
+    """How many samples of a `batch`-sample global batch each DDP rank takes: rank r takes
+    positions r, r + W, r + 2W, ... (see `pipeline.loop.rank_share`), so the shares differ by at
+    most one, the first `batch % W` ranks holding the extra sample (128 on 3 ranks: 43/43/42)."""
+    return [len(range(r, batch, world_size)) for r in range(world_size)]
+
+
+def dp_shares(batch: int, devices: int) -> list[int]:
+    """How DataParallel splits a batch over its devices: torch.chunk's pieces (its scatter calls
+    chunk), which can differ by more than one (128 on 5 GPUs: 26/26/26/26/24) and can number fewer
+    than the devices for a batch that small. DataParallel computes the loss on the gathered
+    outputs, so the split never changes what it trains."""
+    return [len(piece) for piece in torch.arange(batch).chunk(devices)]
+
+
+def shares_label(shares: Sequence[int]) -> str:
+    """What the report, the metrics and MLflow show for a split batch: '43/43/42', or for more than
+    8 shares runs of equal ones, '6x8/5x16' (24 ranks)."""
+    if len(shares) <= 8:
+        return "/".join(str(share) for share in shares)
+    runs: list[list[int]] = []
+    for share in shares:
+        if runs and runs[-1][0] == share:
+            runs[-1][1] += 1
+        else:
+            runs.append([share, 1])
+    return "/".join(f"{share}x{count}" if count > 1 else str(share) for share, count in runs)
 
 
 def _attempt_store(rank: Rank) -> dist.Store:

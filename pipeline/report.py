@@ -50,6 +50,8 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
             # DDP's ranks as machines x processes on each (older metrics files lack the split).
             "layout": (f"{r.train['nodes']} × {r.train['procs_per_node']}"
                        if r.mode == "ddp" and "nodes" in r.train else None),
+            # Samples of each global batch per rank (ddp) or per GPU (dp); older metrics lack it.
+            "shares": r.train.get("batch_shares", "n/a"),
             "device": r.train["device_name"] + (" (bare module: no GPU to split over)" if r.bare_dp else ""),
             "epochs": r.train["epochs"],
             "samples_per_s": r.train["samples_per_s"],
@@ -69,14 +71,14 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
     lines = [
         "# Data-parallel modes compared",
         "",
-        "| mode | world size (nodes × processes) | device | epochs | samples/s | speed-up over single | scaling efficiency "
-        "| training time (s) | test accuracy |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| mode | world size (nodes × processes) | batch per rank or GPU | device | epochs | samples/s "
+        "| speed-up over single | scaling efficiency | training time (s) | test accuracy |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         world = f"{row['world_size']} ({row['layout']})" if row["layout"] else str(row["world_size"])
         lines.append(
-            f"| {row['mode']} | {world} | {row['device']} | {row['epochs']} | "
+            f"| {row['mode']} | {world} | {row['shares']} | {row['device']} | {row['epochs']} | "
             f"{row['samples_per_s']:,.0f} | {_fmt(row['speedup'], '.2f')}x | "
             f"{_fmt(row['scaling_efficiency'], '.0%')} | {row['train_time_s']:.1f} | {row['test_accuracy']:.2%} |"
         )
@@ -84,7 +86,9 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
         "",
         "Speed-up is samples/s over the single-device baseline; scaling efficiency is the speed-up "
         "divided by the devices the mode used (DDP: its GPUs, one per rank; DataParallel: its GPUs; "
-        "on CPUs the ranks of one machine share its cores, so the ideal is the number of machines).",
+        "on CPUs the ranks of one machine share its cores, so the ideal is the number of machines). "
+        "Every mode trains on the same global batches; DDP deals each one out to its ranks in shares that "
+        "differ by at most one sample, DataParallel splits it over its GPUs with torch.chunk.",
     ]
     if any(r.bare_dp for r in results):
         lines += ["", "**DataParallel ran on a CPU-only host**, where it has no GPUs to split the batch "

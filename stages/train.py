@@ -47,11 +47,20 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
         "dp_devices": parallel.dp_device_count(device) if mode == "dp" else None,
         "epochs": len(history),
         "batch_size": config.train.batch_size,
-        "per_rank_batch_size": config.train.batch_size // rank.world_size,
+        # Each rank's share of a global batch (ddp), or each GPU's (dp): "43/43/42".
+        "batch_shares": batch_shares_label(config.train.batch_size, mode, rank, device),
         "train_time_s": round(train_time, 3),
         "samples_per_s": round(samples / train_time, 1),
         **{key: last[key] for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy")},
     }
+
+
+def batch_shares_label(global_batch: int, mode: str, rank: parallel.Rank, device) -> str:
+    if mode == "ddp":
+        return parallel.shares_label(parallel.batch_shares(global_batch, rank.world_size))
+    if mode == "dp":
+        return parallel.shares_label(parallel.dp_shares(global_batch, parallel.dp_device_count(device)))
+    return str(global_batch)
 
 
 def curves_csv(history: list[dict]) -> str:
@@ -94,7 +103,7 @@ def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, res
                  parallel.device_name(device), config.train.batch_size)
 
         params = {**flatten(config), "world_size": rank.world_size,
-                  "per_rank_batch_size": parallel.per_rank_batch(config.train.batch_size, rank.world_size)}
+                  "batch_shares": batch_shares_label(config.train.batch_size, mode, rank, device)}
         # Read once, on rank 0, and sent to all: the loop continues from it, tracking reopens the runs it names.
         state = resume_state(out / CHECKPOINT_FILE, trajectory(config.train, mode), asked=resume,
                              restarted=parallel.restarted_by_torchrun(), rank=rank)
@@ -179,7 +188,7 @@ def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
         # Fail here, before any worker starts, on what would fail in every worker.
         workers = config.train.nproc or (1 if config.train.launcher == "slurm" else parallel.default_nproc())
         nodes = config.train.nodes if config.train.launcher == "slurm" else 1
-        parallel.per_rank_batch(config.train.batch_size, workers * nodes)
+        parallel.check_world_size(config.train.batch_size, workers * nodes)
         if config.tracking.enabled:  # a store on one node's disk cannot take ranks from several
             tracking.check_worker_store(parallel.Rank(world_size=workers * nodes, local_world_size=workers))
         load_stats(Path(data_dir))

@@ -19,11 +19,26 @@ VENV_BIN = Path(sys.executable).parent
 PROJECT_FILES = ("pipeline", "stages", "deploy", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", ".dvc/config")
 
 
+def find_mnist(environ: dict[str, str]) -> Path:
+    """Real MNIST for the tests: MNIST_SOURCE when set (as on a GPU host, where `make gpu-check`
+    runs them), else the shared folder beside the repo; the four IDX files raw or gzipped, as
+    prepare reads them."""
+    from pipeline.errors import DataError
+    from pipeline.mnist import find_idx_file
+
+    folder = Path(environ.get("MNIST_SOURCE") or MNIST_DIR)
+    try:
+        for prefix in ("train", "t10k"):
+            for kind in ("images-idx3", "labels-idx1"):
+                find_idx_file(folder, f"{prefix}-{kind}-ubyte")
+    except DataError as exc:
+        pytest.fail(f"real MNIST not found ({exc}); set MNIST_SOURCE to the folder that holds it")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def mnist_dir() -> Path:
-    if not (MNIST_DIR / "train-images-idx3-ubyte.gz").is_file():
-        pytest.fail(f"real MNIST not found at {MNIST_DIR}; see its README")
-    return MNIST_DIR
+    return find_mnist(dict(os.environ))
 
 
 def idx_bytes(array: list | bytes, dims: tuple[int, ...]) -> bytes:

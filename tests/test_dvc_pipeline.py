@@ -251,3 +251,26 @@ def test_the_printed_link_opens_the_training_runs_in_a_real_browser(repro, tmp_p
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)
+
+
+@pytest.mark.parametrize("nproc", [3, 5])
+def test_repro_at_a_world_size_that_does_not_divide_the_batch(repro, nproc):
+    """The default global batch, 128, with `train.nproc: 3`, then `5`, and nothing else changed:
+    DDP deals each batch out unevenly (43/43/42, 26/26/26/25/25), and every mode clears the gate."""
+    import yaml
+
+    project, env, _ = repro
+    params = project / "params.yaml"
+    raw = yaml.safe_load(params.read_text())
+    raw["train"].update(nproc=nproc, batch_size=128)
+    params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    result = run(["dvc", "repro"], project, **env)  # fails if a mode misses evaluate's quality gate
+    assert "Running stage 'train@ddp'" in result.stdout
+    summary = json.loads((project / "metrics/train/ddp.json").read_text())
+    assert summary["world_size"] == nproc
+    assert summary["batch_shares"] == {3: "43/43/42", 5: "26/26/26/25/25"}[nproc]
+    accuracy = {mode: json.loads((project / "metrics/eval" / f"{mode}.json").read_text())["accuracy"]
+                for mode in MODES}
+    assert abs(accuracy["ddp"] - accuracy["single"]) < 0.02  # the same batches, up to rounding
+    report = (project / "reports/comparison.md").read_text()
+    assert f"| ddp | {nproc} (1 × {nproc}) | {summary['batch_shares']} |" in report

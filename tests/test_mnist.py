@@ -143,3 +143,14 @@ def test_prepare_into_an_unwritable_folder_is_a_clear_error(tmp_path, monkeypatc
     monkeypatch.setenv("MNIST_SOURCE", str(folder))
     result = CliRunner().invoke(main, ["prepare", "--params", str(params), "--out", str(out)])
     assert result.exit_code == 1 and "cannot write into" in result.output and "Traceback" not in result.output
+
+
+def test_the_tests_take_mnist_from_mnist_source_raw_or_gzipped(tmp_path):
+    """A GPU host runs `make gpu-check` with MNIST_SOURCE pointing at its own copy, often raw files."""
+    from tests.conftest import MNIST_DIR, find_mnist, write_tiny_mnist
+
+    raw = write_tiny_mnist(tmp_path / "raw")
+    assert find_mnist({"MNIST_SOURCE": str(raw)}) == raw
+    assert find_mnist({}) == MNIST_DIR
+    with pytest.raises(pytest.fail.Exception, match=r"missing train-images-idx3-ubyte .*set MNIST_SOURCE"):
+        find_mnist({"MNIST_SOURCE": str(tmp_path / "empty")})

@@ -14,7 +14,7 @@ def test_a_multi_node_ddp_run_shows_nodes_times_processes_and_counts_each_machin
                result("ddp", 3000.0, world_size=4, nodes=2, procs_per_node=2)]
     rows = comparison_rows(results)
     table = markdown(rows, results)
-    assert "| ddp | 4 (2 × 2) |" in table and "| single | 1 |" in table
+    assert "| ddp | 4 (2 × 2) | n/a |" in table and "| single | 1 | n/a |" in table
     # CPU ranks on one machine share its cores, but a second machine is more hardware: the ideal
     # speed-up is 2x, so 3x over single is 150% efficient (and says the baseline was starved).
     ddp = next(r for r in rows if r["mode"] == "ddp")
@@ -24,3 +24,17 @@ def test_a_multi_node_ddp_run_shows_nodes_times_processes_and_counts_each_machin
 def test_metrics_from_before_the_split_still_read():
     results = [result("single", 1000.0), result("ddp", 900.0, world_size=2)]
     assert "| ddp | 2 |" in markdown(comparison_rows(results), results)
+
+
+def test_the_table_shows_each_ranks_share_of_the_batch():
+    results = [result("single", 1000.0, batch_shares="128"),
+               result("ddp", 900.0, world_size=3, nodes=1, procs_per_node=3, batch_shares="43/43/42")]
+    table = markdown(comparison_rows(results), results)
+    assert "| ddp | 3 (1 × 3) | 43/43/42 |" in table and "| single | 1 | 128 |" in table
+
+
+def test_many_shares_are_shown_as_runs():
+    from pipeline.parallel import batch_shares, shares_label
+
+    assert shares_label(batch_shares(128, 24)) == "6x8/5x16"
+    assert shares_label(batch_shares(128, 8)) == "16/16/16/16/16/16/16/16"

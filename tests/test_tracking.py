@@ -43,7 +43,7 @@ def check_structure(client, project, mode, world_size, epochs=2):
     for key in ("backend", "device_name", "git_commit", "git_dirty", "torch_version", "cuda_version", "host"):
         assert tags[key]
     assert parent.data.params["train.batch_size"] == "100"
-    assert parent.data.params["per_rank_batch_size"] == str(100 // world_size)
+    assert parent.data.params["batch_shares"] == "/".join([str(100 // world_size)] * world_size)
     for key in PARENT_METRICS:
         assert [m.step for m in client.get_metric_history(parent.info.run_id, key)] == list(range(1, epochs + 1)), key
     assert any(key.startswith("system/") for key in parent.data.metrics)

@@ -5,22 +5,21 @@ import json
 import pytest
 import torch
 
-from pipeline.loop import epoch_order, steps_per_epoch
+from pipeline.loop import epoch_order, global_batches, rank_share, steps_per_epoch
 from pipeline.parallel import Rank
-from tests.conftest import load_weights, max_abs_diff, relative_difference, train_cli
+from tests.conftest import SMALL, load_weights, max_abs_diff, relative_difference, train_cli
 
 
 def test_ddp_shards_are_the_single_batches():
-    n, batch, world = 1003, 100, 4
-    single = epoch_order(n, 3, 7, Rank()).split(batch)
-    shards = [epoch_order(n, 3, 7, Rank(r, r, world, world)).split(batch // world) for r in range(world)]
-    assert len(single) == steps_per_epoch(n, batch, world) == len(shards[0])
-    for step, global_batch in enumerate(single[:-1]):  # the last one differs only by padding
-        union = torch.cat([shards[r][step] for r in range(world)])
-        assert sorted(union.tolist()) == sorted(global_batch.tolist())
-    padded = torch.cat([torch.cat(s) for s in shards])
-    assert len(padded) == 1004 and set(padded.tolist()) == set(range(n))  # one index repeated
-    assert not torch.equal(epoch_order(n, 3, 7, Rank()), epoch_order(n, 4, 7, Rank()))  # set_epoch
+    n, batch = 1003, 100
+    single = global_batches(epoch_order(n, 3, 7), batch)
+    assert len(single) == steps_per_epoch(n, batch) == 11 and len(single[-1]) == 3
+    for world in (2, 4):  # where W divides the batch: exactly DistributedSampler's shards, batch by batch
+        sampler = [epoch_order(n, 3, 7)[r::world] for r in range(world)]  # its order, before padding
+        for r in range(world):
+            shares = torch.cat([rank_share(b, Rank(r, r, world, world)) for b in single])
+            assert torch.equal(shares, sampler[r])
+    assert not torch.equal(epoch_order(n, 3, 7), epoch_order(n, 4, 7))  # set_epoch
 
 
 def test_ddp_matches_single_and_ranks_stay_in_sync(small_project):
@@ -35,7 +34,7 @@ def test_ddp_matches_single_and_ranks_stay_in_sync(small_project):
     print(f"after 20 steps: relative |single - ddp| {difference:.2e}, max {max_abs_diff(single, ddp):.2e}")
     assert difference < 1e-3
     summary = json.loads((small_project / "metrics/train/ddp.json").read_text())
-    assert summary["world_size"] == 2 and summary["backend"] == "gloo" and summary["per_rank_batch_size"] == 50
+    assert summary["world_size"] == 2 and summary["backend"] == "gloo" and summary["batch_shares"] == "50/50"
 
 
 def test_dp_on_cpu_is_the_bare_module_and_matches_single(small_project):
@@ -88,7 +87,7 @@ def test_resume_without_checkpoint_or_with_changed_settings(small_project, tmp_p
 @pytest.mark.parametrize(
     "args, params, message",
     [
-        (["--mode", "ddp"], {"batch_size": 101}, "train.batch_size = 101 does not split evenly across 2 ranks"),
+        (["--mode", "ddp"], {"batch_size": 1}, "train.batch_size = 1 is smaller than the 2 DDP ranks"),
         (["--mode", "fsdp"], {}, "'fsdp' is not one of 'single', 'dp', 'ddp'"),
         (["--mode", "single", "--data-dir", "nowhere"], {}, "nowhere/train.pt: missing; run `mnist-pipeline prepare`"),
         (["--mode", "ddp", "--data-dir", "nowhere"], {}, "nowhere/stats.json: missing"),
@@ -108,3 +107,31 @@ def test_bad_input_is_a_clear_error(small_project, tmp_path, args, params, messa
     assert result.returncode != 0
     assert message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_phase_clock_keeps_microsecond_phases():
+    """An optimizer step of 20 us a step on a fast GPU must not round to zero (it did at 4 decimals)."""
+    from pipeline.loop import PhaseClock
+
+    clock = PhaseClock(torch.device("cpu"))
+    for _ in range(4 * 3):  # three steps whose phases each take about a microsecond
+        clock.mark()
+    totals = clock.totals()
+    assert set(totals) == set(PhaseClock.PHASES)
+    assert all(0 < seconds < 1e-3 for seconds in totals.values())
+
+
+def test_a_resume_at_an_odd_world_size_ends_with_the_uninterrupted_weights(small_project, tmp_path):
+    """3 ranks, batch 100 dealt out 34/33/33: torchrun restarts the crashed workers, which resume."""
+    from tests.conftest import project_env, run, write_params
+
+    params = write_params(tmp_path / "params.yaml", **{"train": {**SMALL["train"], "nproc": 3}})
+    train_cli(small_project, "ddp", "--params", str(params))
+    reference = load_weights(small_project, "ddp")
+    assert json.loads((small_project / "metrics/train/ddp.json").read_text())["batch_shares"] == "34/33/33"
+    proc = run(["torchrun", "--standalone", "--nproc-per-node", "3", "--max-restarts", "1",
+                "-m", "stages", "train", "--mode", "ddp", "--params", str(params)], small_project,
+               **project_env(small_project, MNIST_PIPELINE_CRASH_AFTER_EPOCH="1"))
+    assert "crashing after epoch 1" in proc.stderr
+    assert proc.stderr.count("ddp epoch 1/2") == 1 and proc.stderr.count("ddp epoch 2/2") == 1
+    assert max_abs_diff(reference, load_weights(small_project, "ddp")) == 0.0

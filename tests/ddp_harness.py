@@ -1,0 +1,50 @@
+"""DDP ranks in real processes over gloo, running the pipeline's own loop (only the launcher is
+left out), on small synthetic data that a model can learn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pipeline.config import TrainConfig
+from pipeline.loop import DeviceSplit
+from tests.conftest import free_port
+
+
+def learnable_data(n: int, seed: int = 0) -> DeviceSplit:
+    """Images with a learnable label (which quarter is brightest), so training moves the weights."""
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.rand(n, 1, 28, 28, generator=generator)
+    quarters = images.reshape(n, 2, 14, 2, 14).mean((2, 4)).flatten(1)
+    return DeviceSplit(images, quarters.argmax(1))
+
+
+def train_config(batch_size: int, epochs: int = 1) -> TrainConfig:
+    return TrainConfig(modes=("single", "ddp"), batch_size=batch_size, epochs=epochs, lr=0.02,
+                       label_smoothing=0.1, eval_batch_size=64)
+
+
+def _rank_main(r: int, world: int, port: int, body: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)  # the ranks share the machine's cores, as limit_cpu_threads makes them
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=world)
+    try:
+        body(r, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, body: Callable, *args) -> None:
+    """`body(rank, world, *args)` in `world` spawned processes joined in one gloo group; `body`
+    must be a module-level function, and writes what it returns to a file."""
+    mp.start_processes(_rank_main, args=(world, free_port(), body, args), nprocs=world, start_method="spawn")
+
+
+def rank_dir(out: Path, r: int) -> Path:
+    """A folder of rank r's own: its node's disk."""
+    folder = out / f"rank-{r}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
