@@ -62,6 +62,9 @@ def conventional(rank: parallel.Rank, config, root: Path, steps: int, mean: floa
     dataset = datasets.MNIST(str(root), train=True, transform=transforms.Compose(
         [transforms.ToTensor(), transforms.Normalize((mean,), (std,))]))
     dataset = Subset(dataset, range(steps * config.batch_size))
+    if config.batch_size % rank.world_size:  # DistributedSampler's per-rank batch: only an even split keeps the global one
+        raise SystemExit(f"the conventional loop needs train.batch_size ({config.batch_size}) divisible by "
+                         f"{rank.world_size} ranks")
     batch = config.batch_size // rank.world_size
     if rank.world_size > 1:
         sampler = DistributedSampler(dataset, rank.world_size, rank.rank, shuffle=True, seed=config.seed)

@@ -225,14 +225,14 @@ def share_loss(logits: torch.Tensor, labels: torch.Tensor, batch_len: int, world
 def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, global_batch: int,
               rank: Rank, clock: PhaseClock, show_bar: bool, desc: str, label_smoothing: float):
     """One pass over this rank's shares of the epoch's global batches; returns (loss sum, correct
-    count, each step's mean loss) still on the device, as a .item() per step would sync every step,
-    and the number of samples this rank trained on."""
+    count, each step's mean loss over this rank's share) still on the device, as a .item() per step
+    would sync every step, and each step's share length (0: this rank had no sample that step)."""
     device = data.labels.device
     batches = global_batches(order, global_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     losses = torch.empty(len(batches), dtype=torch.float32, device=device)
-    samples = 0
+    shares = []
     wrapped.train()
     for i, batch in enumerate(tqdm(batches, desc=desc, disable=not show_bar, leave=False)):
         clock.mark()
@@ -250,10 +250,10 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
         loss_sum += sample_losses
         losses[i] = sample_losses / max(1, len(idx))
         correct += (logits.detach().argmax(1) == labels).sum()
-        samples += len(idx)
+        shares.append(len(idx))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the epoch's time must include its queued kernels
-    return loss_sum, correct, losses, samples
+    return loss_sum, correct, losses, shares
 
 
 def check_finite(mode: str, epoch: int, loss_sum: torch.Tensor, losses: list[float], first_step: int,
@@ -305,12 +305,13 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             torch.cuda.synchronize(device)
         started = time.perf_counter()
         first_step = epoch * steps + 1
-        loss_sum, correct, losses, rank_samples = run_epoch(
+        loss_sum, correct, losses, shares = run_epoch(
             wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
             clock=clock, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
             label_smoothing=config.label_smoothing)
         train_time = time.perf_counter() - started
 
+        rank_samples = sum(shares)
         rank_loss = loss_sum.item() / max(1, rank_samples)
         train_sums = all_sum(torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples)]), rank)
         losses = losses.tolist()  # one copy per epoch
@@ -344,8 +345,10 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             **clock.totals(),
             "peak_memory_mb": peak_memory_mb(device),
             "weight_checksum": checksums[rank.rank],
+            # A step in which this rank had no sample has no loss of its own to show.
             "step_losses": [(first_step + i, value) for i, value in enumerate(losses)
-                            if run.log_every_n_steps and (first_step + i) % run.log_every_n_steps == 0],
+                            if run.log_every_n_steps and (first_step + i) % run.log_every_n_steps == 0
+                            and shares[i]],
         }
         history.append(metrics)
         if rank.is_main:

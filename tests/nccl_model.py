@@ -97,7 +97,7 @@ def _argument(args: tuple, kwargs: dict, name: str, position: int):
 
 @contextmanager
 def recording(ops: list[Op], communicate: bool) -> Iterator[None]:
-    """Append every torch.distributed call this thread makes to `ops`. `communicate`: pass each
+    """Append every torch.distributed call this process makes to `ops`. `communicate`: pass each
     call through to the real process group; else record it and return as if it had finished.
     Calls that torch makes inside a recorded one (broadcast_object_list's broadcasts,
     batch_isend_irecv's isends) belong to it and are not recorded again."""

@@ -27,9 +27,10 @@ FP32_RELATIVE_TOLERANCE = 0.01
 
 @pytest.fixture(scope="module")
 def gpu_project(tmp_path_factory, mnist_dir):
-    """The small slice, one DDP worker per GPU, a global batch every GPU count up to 8 divides."""
+    """The small slice, one DDP worker per GPU, a global batch of 100: dealt out unevenly on 3, 6, 7
+    and 8 GPUs (the 1,000 training images end on a full batch)."""
     project = make_project(tmp_path_factory.mktemp("gpu") / "proj",
-                           {**SMALL, "train": {**SMALL["train"], "batch_size": 96, "nproc": 0}})
+                           {**SMALL, "train": {**SMALL["train"], "batch_size": 100, "nproc": 0}})
     run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
     return project
 
@@ -75,6 +76,25 @@ def test_phase_clock_reads_cuda_events():
     totals = clock.totals()
     assert all(value > 0 for value in totals.values())
     assert sum(totals.values()) <= wall * 1.05
+
+
+def test_an_empty_share_trains_nothing_on_the_gpu():
+    """A DDP rank whose share of the last batch is empty still runs forward and backward, with
+    channels_last images and the bf16 autocast the loop uses: every gradient defined and zero."""
+    from pipeline.config import TrainConfig
+    from pipeline.loop import DeviceSplit, share_loss, wrap_for_mode
+
+    device = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    model = build_model("small").to(device).to(memory_format=torch.channels_last)
+    wrapped = wrap_for_mode(model, TrainConfig(), device, "single")
+    images = torch.rand(8, 1, 28, 28, device=device).contiguous(memory_format=torch.channels_last)
+    data = DeviceSplit(images, torch.zeros(8, dtype=torch.int64, device=device))
+    idx = torch.arange(8, device=device)[7::8][1:]  # a strided, empty index, as rank_share makes it
+    loss, sample_losses = share_loss(wrapped(data.images[idx]), data.labels[idx], 2, 2, label_smoothing=0.1)
+    loss.backward()
+    assert sample_losses.item() == 0.0
+    assert all(p.grad is not None and p.grad.abs().sum().item() == 0.0 for p in model.parameters())
 
 
 def test_peak_memory_per_device():

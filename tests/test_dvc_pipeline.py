@@ -115,12 +115,12 @@ def test_report_numbers_equal_the_metrics(repro):
         row = rows[mode]
         world = f"{train['world_size']} ({train['nodes']} × {train['procs_per_node']})" if mode == "ddp" \
             else str(train["world_size"])
-        assert row[1] == world and row[3] == str(train["epochs"])
-        assert row[4] == f"{train['samples_per_s']:,.0f}"
-        assert row[5] == f"{train['samples_per_s'] / single_speed:.2f}x"
-        assert row[7] == f"{train['train_time_s']:.1f}"
-        assert row[8] == f"{evaluation['accuracy']:.2%}"
-    assert "bare module" in rows["dp"][2] and "DataParallel ran on a CPU-only host" in report
+        assert row[1] == world and row[2] == train["batch_shares"] and row[4] == str(train["epochs"])
+        assert row[5] == f"{train['samples_per_s']:,.0f}"
+        assert row[6] == f"{train['samples_per_s'] / single_speed:.2f}x"
+        assert row[8] == f"{train['train_time_s']:.1f}"
+        assert row[9] == f"{evaluation['accuracy']:.2%}"
+    assert "bare module" in rows["dp"][3] and "DataParallel ran on a CPU-only host" in report
     for png in ("throughput.png", "val_loss.png"):
         assert (project / "reports" / png).read_bytes()[:4] == b"\x89PNG"
 
@@ -256,7 +256,8 @@ def test_the_printed_link_opens_the_training_runs_in_a_real_browser(repro, tmp_p
 @pytest.mark.parametrize("nproc", [3, 5])
 def test_repro_at_a_world_size_that_does_not_divide_the_batch(repro, nproc):
     """The default global batch, 128, with `train.nproc: 3`, then `5`, and nothing else changed:
-    DDP deals each batch out unevenly (43/43/42, 26/26/26/25/25), and every mode clears the gate."""
+    DDP deals each batch out unevenly (43/43/42, 26/26/26/25/25), and every mode clears the gate.
+    It changes the module's project, so it stays the last test here."""
     import yaml
 
     project, env, _ = repro
