@@ -1,5 +1,7 @@
 #!/bin/sh
-# No arguments: the whole pipeline (`dvc repro`). Anything else runs as given, e.g.
+# No arguments: the whole pipeline (`dvc repro`). `gpu-check`: `make gpu-check`'s checks and table
+# (docker run --gpus all -v /path/to/mnist:/mnist:ro -e MNIST_SOURCE=/mnist IMAGE gpu-check).
+# Anything else runs as given, e.g.
 #   docker run ... IMAGE mnist-pipeline train --mode ddp
 set -e
 
@@ -15,6 +17,9 @@ if [ "$#" -eq 0 ]; then
         dvc config --local core.no_scm true
     fi
     set -- dvc repro
+elif [ "$1" = gpu-check ]; then
+    shift
+    set -- python scripts/gpu_check.py "$@"
 fi
 
 # `docker stop` sends SIGTERM to PID 1, which the kernel does not deliver to a process that has no

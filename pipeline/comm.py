@@ -4,15 +4,16 @@ Each rank contributes small integers that depend on its rank and the element's p
 result has a closed form (a sum, a gather, a neighbour's tensor) that a rank can compare with what it
 received without trusting the communication it is checking. The integers are bounded so that any sum
 of any subset of ranks' values stays below 2**24: float32 holds every such partial sum exactly, and a
-ring, a tree or any other reduction order gives the same bits. Timings follow nccl-tests: warm-up, a
-device sync around each operation, the median of several iterations, the slowest rank's median, and
-the same algorithm and bus bandwidth conventions.
+ring, a tree or any other reduction order gives the same bits. Timings follow nccl-tests, so its
+users can read them side by side: warm-up iterations, then `iters` operations back to back between
+one device sync and the next, their mean, the slowest rank's; nccl-tests' size (the whole buffer
+of one chunk per rank for the gather, scatter and all-to-all family) and its algorithm and bus
+bandwidths. The result is checked on one more operation of its own, from fresh inputs.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -195,18 +196,25 @@ def _sync(device) -> None:
 
 
 def measure(primitive: str, rank: Rank, per_rank_bytes: int, device, warmup: int, iters: int):
-    """This rank's median seconds per operation, and its check of the last result."""
+    """This rank's mean seconds per operation over `iters` back to back (nccl-tests' timing: one
+    sync, not one per operation, so the launch overhead of one overlaps the last one's run), and
+    its check of one more operation from fresh inputs. The timed operations reuse their buffers as
+    nccl-tests does: an all_reduce grows its values by the world size each time, far from float32's
+    range at any `iters` the params allow."""
     case = make_case(primitive, rank, max(1, per_rank_bytes // ELEMENT_BYTES), device)
-    times = []
-    for i in range(warmup + iters):
-        case.setup()
-        _sync(device)
-        started = time.perf_counter()
+    case.setup()
+    for _ in range(warmup):
         case.run()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times), case.check()
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(iters):
+        case.run()
+    _sync(device)
+    seconds = (time.perf_counter() - started) / iters
+    case.setup()
+    case.run()
+    _sync(device)
+    return seconds, case.check()
 
 
 def checkable(world_size: int) -> tuple[str, ...]:
@@ -275,6 +283,8 @@ def summarize(per_rank: list[dict], world_size: int) -> list[dict]:
         seconds = max(result["timings"][i]["seconds"] for result in per_rank)
         algbw, busbw = (None, None) if timing["bytes"] == 0 else bandwidths(
             timing["primitive"], timing["bytes"], seconds, world_size)
-        rows.append({"primitive": timing["primitive"], "bytes": timing["bytes"], "time_us": seconds * 1e6,
-                     "algbw_gbps": algbw, "busbw_gbps": busbw})
+        # `bytes`: one rank's buffer, what the sweep grows; `size_bytes`: nccl-tests' size column.
+        rows.append({"primitive": timing["primitive"], "bytes": timing["bytes"],
+                     "size_bytes": message_bytes(timing["primitive"], timing["bytes"], world_size),
+                     "time_us": seconds * 1e6, "algbw_gbps": algbw, "busbw_gbps": busbw})
     return rows

@@ -21,6 +21,7 @@ from pipeline.errors import ConfigError
 MODES = ("single", "dp", "ddp")
 MODELS = ("small", "classic")
 LAUNCHERS = ("local", "slurm")
+DEVICES = ("auto", "cuda", "cpu")
 MNIST_TRAIN_SIZE = 60_000
 
 
@@ -78,10 +79,19 @@ class TrainConfig:
     launcher: str = field(default="local", metadata=_rule(lambda v: v in LAUNCHERS, f"one of {LAUNCHERS}"))
     # slurm: the nodes the ddp job asks for.
     nodes: int = field(default=1, metadata=_at_least(1))
-    # CUDA only: bf16 autocast and channels_last memory format.
+    # auto: the GPUs when there are any, else the CPU. cuda: GPUs or a clear error (a Slurm job asks
+    # for them); cpu: the CPU even where GPUs are.
+    device: str = field(default="auto", metadata=_rule(lambda v: v in DEVICES, f"one of {DEVICES}"))
+    # CUDA only: bf16 autocast (false: full float32, TF32 off too) and channels_last memory format.
     bf16: bool = True
     channels_last: bool = True
+    # Deterministic algorithms (cuDNN, cuBLAS, torch): identical runs and resumes give the same
+    # bits on GPUs too, at some speed there; the CPU's ops are deterministic either way.
+    deterministic: bool = True
     eval_batch_size: int = field(default=2000, metadata=_at_least(1))
+    # Steps of each epoch left out of the steady-state throughput (samples/s after the warm-up),
+    # which the report's speed-ups use; the whole-epoch figure stands beside it.
+    throughput_warmup_steps: int = field(default=10, metadata=_at_least(0))
 
 
 @dataclass(frozen=True)

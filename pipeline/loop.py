@@ -109,6 +109,15 @@ class PhaseClock:
         else:
             self.marks.append(time.perf_counter())
 
+    def seconds_since_step(self, step: int) -> float | None:
+        """Seconds from the start of step `step` (0-based) of this epoch to its last mark; None when
+        the epoch has no such step. Call before `totals`, which clears the marks."""
+        start, per_step = step * (len(self.PHASES) + 1), len(self.PHASES) + 1
+        if start >= len(self.marks) or len(self.marks) % per_step:
+            return None
+        first, last = self.marks[start], self.marks[-1]
+        return first.elapsed_time(last) / 1000 if self.cuda else last - first
+
     def totals(self) -> dict[str, float]:
         """Seconds per phase at full precision: a phase of microseconds a step (an optimizer step on
         a fast GPU) must not round to zero. Round only where a person reads it."""
@@ -313,14 +322,19 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
 
         rank_samples = sum(shares)
         rank_loss = loss_sum.item() / max(1, rank_samples)
-        train_sums = all_sum(torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples)]), rank)
+        # Steady state: the steps after the warm-up (cuDNN/cuBLAS handles, algorithm choice, lazy
+        # kernel loading, DDP's bucket rebuild), which on a fast GPU dominate a short epoch.
+        steady_time = clock.seconds_since_step(config.throughput_warmup_steps)
+        steady_samples = sum(shares[config.throughput_warmup_steps:])
+        train_sums = all_sum(torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples),
+                                          loss_sum.new_tensor(steady_samples)]), rank)
         losses = losses.tolist()  # one copy per epoch
         check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
         val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size), rank)
         epoch_time = time.perf_counter() - started
         # One exchange per epoch: every rank's times, and its weights' checksum to prove they agree.
-        train_times, epoch_times, checksums = zip(*all_gather_objects(
-            (train_time, epoch_time, weight_checksum(model)), rank))
+        train_times, epoch_times, steady_times, checksums = zip(*all_gather_objects(
+            (train_time, epoch_time, steady_time, weight_checksum(model)), rank))
         if len(set(checksums)) > 1:
             raise RuntimeError(f"ranks out of sync after epoch {epoch + 1}: weight checksums per rank {checksums}")
         slowest = max(train_times)  # the slowest rank sets the pace of a synchronous step
@@ -332,6 +346,10 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             "val_accuracy": (val_sums[1] / val_sums[2]).item(),
             "samples_per_s": train_sums[2].item() / slowest,
             "train_time_s": slowest,
+            # None when the epoch has no step after the warm-up.
+            "steady_samples_per_s": (train_sums[3].item() / max(steady_times)
+                                     if None not in steady_times and max(steady_times) > 0 else None),
+            "steady_time_s": max(steady_times) if None not in steady_times else None,
             "epoch_time_s": max(epoch_times),
             "lr": scheduler.get_last_lr()[0],
             "rank_weight_checksums": list(checksums),

@@ -3,10 +3,13 @@ a model per mode, and launching DDP workers through torchrun's own machinery."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
+import re
 import uuid
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -80,11 +83,61 @@ def restarted_by_torchrun() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
-def pick_device(rank: Rank) -> torch.device:
-    """One process per device: CUDA device `local_rank` when CUDA is present, else the CPU."""
-    if not torch.cuda.is_available():
+# torch's words when the driver is older than its CUDA (c10/cuda/CUDAFunctions.cpp); the number is
+# the CUDA version the driver supports, as cudaDriverGetVersion gives it (12020: CUDA 12.2).
+DRIVER_TOO_OLD = re.compile(r"driver on your system is too old \(found version (\d+)\)")
+# The oldest NVIDIA driver for each CUDA major version of the wheels (NVIDIA's release notes).
+DRIVER_FLOOR = {"12": 525, "13": 580}
+
+
+@functools.cache
+def cuda_device_count() -> int:
+    """The GPUs this process can use. A driver too old for this torch's CUDA is an error, naming
+    both versions: torch only warns (once, easy to miss) and reports no GPU, and training would go
+    to the CPU."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        count = torch.cuda.device_count()
+    for warning in caught:
+        found = DRIVER_TOO_OLD.search(str(warning.message))
+        if found:
+            supported = int(found.group(1))
+            needed = torch.version.cuda or "?"
+            floor = DRIVER_FLOOR.get(needed.split(".")[0])
+            raise PipelineError(
+                f"the NVIDIA driver supports CUDA {supported // 1000}.{supported % 1000 // 10}, but this torch "
+                f"{torch.__version__} is built for CUDA {needed}"
+                + (f", which needs driver {floor} or newer" if floor else "")
+                + ": update the driver, install NVIDIA's CUDA forward-compatibility package, or set "
+                  "train.device: cpu to train on the CPU")
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return count
+
+
+def gpus_as_wanted(wanted: str, who: str = "this process") -> bool:
+    """Whether to train on GPUs: there are some and `wanted` is not cpu. `cuda` with none visible
+    is an error, not a silent CPU run. Counts the GPUs without touching them, so a launcher can
+    ask before it starts workers."""
+    if wanted == "cpu":
+        return False
+    if cuda_device_count():
+        return True
+    if wanted == "cuda":
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise PipelineError(
+            f"{who}: train.device is cuda, but no GPU is visible"
+            + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+            + ". Under Slurm the job must ask for GPUs (train.launcher: slurm asks for train.nproc per node); "
+              "a container must be started with --gpus all. Or set train.device: auto to train on the CPU")
+    return False
+
+
+def pick_device(rank: Rank, wanted: str = "auto") -> torch.device:
+    """One process per device: CUDA device `local_rank` when CUDA is present (`wanted`: auto or
+    cuda), else the CPU (auto or cpu). `cuda` without a visible GPU is an error, not a silent CPU run."""
+    if wanted == "cpu" or not gpus_as_wanted(wanted, f"rank {rank.rank}"):
         return torch.device("cpu")
-    count = torch.cuda.device_count()
+    count = cuda_device_count()
     if rank.local_rank >= count:
         raise PipelineError(
             f"rank {rank.rank}: local rank {rank.local_rank} has no GPU (this node has {count}); "
@@ -133,8 +186,9 @@ def limit_cpu_threads(rank: Rank) -> int:
     return threads
 
 
-def default_nproc() -> int:
-    return torch.cuda.device_count() or CPU_ONLY_DEFAULT_NPROC
+def default_nproc(wanted: str = "auto") -> int:
+    """One worker per GPU, or CPU_ONLY_DEFAULT_NPROC where there is none (or train.device: cpu)."""
+    return (0 if wanted == "cpu" else cuda_device_count()) or CPU_ONLY_DEFAULT_NPROC
 
 
 def check_world_size(global_batch: int, world_size: int) -> None:

@@ -36,5 +36,14 @@ class AutocastForward(nn.Module):
             return self.module(*args, **kwargs)
 
 
+def float32_means_float32() -> None:
+    """With `train.bf16: false` the user asked for float32: keep cuDNN's convolutions off TF32 (its
+    10-bit mantissa, cuDNN's default on Ampere and newer), as matmuls already are by default.
+    Then the modes agree to float32 rounding, which the GPU equivalence checks rely on. (torch
+    2.9's per-backend API; mixing it with the legacy allow_tf32 flags is an error.)"""
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+
+
 def with_autocast(module: nn.Module, device: torch.device, dtype: torch.dtype | None) -> nn.Module:
     return module if dtype is None else AutocastForward(module, device.type, dtype)

@@ -4,7 +4,8 @@
    and portable checkpoints, the CUDA-event phase clock, per-device peak memory, commcheck on NCCL
    over every GPU, DDP and DataParallel over every GPU against single;
 2. the default pipeline (`dvc repro` with params.yaml as it is) on all of MNIST, in a copy of the
-   project, with each mode's training time and test accuracy against the 99% target.
+   project, with each mode's training time and test accuracy against the 99% target, and what
+   `train.deterministic` costs (single trained again with it off).
 It ends with one summary table. Without a CUDA device it says so and what it skipped, and proves
 nothing (exit 0: there was nothing it could check). MNIST comes from MNIST_SOURCE (default
 ../shared/data/mnist).
@@ -30,6 +31,24 @@ from tests.conftest import make_project, project_env, subprocess_env  # noqa: E4
 
 TARGET_ACCURACY = 0.99
 MODES = ("single", "dp", "ddp")
+# Every mechanism that runs only on NVIDIA GPUs, and the check here that proves it (a test of
+# tests/test_cuda.py, or a row of the pipeline run). What the CPU can model of each is in the suite.
+MECHANISMS = [
+    ("NCCL's in-order P2P: commcheck's batched isend/irecv, every primitive", "test_nccl_commcheck_over_every_gpu"),
+    ("bf16 autocast inside each DataParallel replica's thread", "test_bf16_inside_every_dataparallel_replica"),
+    ("bf16 only where the GPU computes it natively", "test_bf16_only_where_native"),
+    ("channels_last training, checkpoints that load anywhere", "test_single_on_the_gpu_trains_channels_last_and_saves_portable_files"),
+    ("the CUDA-event phase clock (microsecond phases kept)", "test_phase_clock_reads_cuda_events"),
+    ("peak memory per device", "test_peak_memory_per_device"),
+    ("an empty DDP share under bf16 and channels_last", "test_an_empty_share_trains_nothing_on_the_gpu"),
+    ("DDP over NCCL, uneven shares, float32 without TF32", "test_ddp_on_every_gpu_agrees_with_single"),
+    ("DataParallel's scatter, replicas and gather over every GPU", "test_dataparallel_over_every_gpu_agrees_with_single"),
+    ("bf16 keeps float32's accuracy", "test_bf16_keeps_float32_accuracy"),
+    ("deterministic cuDNN/cuBLAS: identical reruns, bit-identical resume", "test_a_resume_on_the_gpu_ends_with_the_uninterrupted_weights_bit_for_bit"),
+    ("steady-state throughput after the warm-up steps", "dvc repro (default params, all of MNIST)"),
+    ("what train.deterministic costs", "train.deterministic cost (single, all of MNIST)"),
+    ("the driver floor (CUDA 13.0 wheels: driver 580 or newer)", "the host lines above the table"),
+]
 
 
 def describe_host() -> list[str]:
@@ -77,8 +96,30 @@ def run_default_pipeline(work: Path, mnist: Path) -> list[tuple[str, str, str]]:
         outcome = "passed" if accuracy >= TARGET_ACCURACY else "FAILED"
         rows.append((f"{mode}: {train['world_size']} x {train['device_name']}", outcome,
                      f"{accuracy:.2%} test accuracy after {train['train_time_s']:.1f} s of training, "
-                     f"{train['samples_per_s']:,.0f} samples/s"))
+                     f"{train['samples_per_s']:,.0f} samples/s, {steady(train)} after the warm-up"))
+    rows.append(deterministic_cost(project, mnist))
     return rows
+
+
+def steady(train: dict) -> str:
+    value = train.get("steady_samples_per_s")
+    return f"{value:,.0f}" if value else "n/a"
+
+
+def deterministic_cost(project: Path, mnist: Path) -> tuple[str, str, str]:
+    """What `train.deterministic` costs: single trained again on all of MNIST with it off, against
+    the pipeline's own single run with it on (both warm: data and kernels cached by then)."""
+    on = json.loads((project / "metrics/train/single.json").read_text())["train_time_s"]
+    params = project / "params-nondeterministic.yaml"
+    params.write_text((project / "params.yaml").read_text().replace("deterministic: true", "deterministic: false"))
+    result = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", str(params)], cwd=project,
+                            capture_output=True, text=True, env=subprocess_env(**project_env(project)))
+    name = "train.deterministic cost (single, all of MNIST)"
+    if result.returncode != 0:
+        print(result.stderr[-4000:])
+        return (name, "FAILED", f"exit code {result.returncode}")
+    off = json.loads((project / "metrics/train/single.json").read_text())["train_time_s"]
+    return (name, "passed", f"{on:.2f} s on, {off:.2f} s off: {on / off:.2f}x")
 
 
 def main() -> int:
@@ -89,7 +130,12 @@ def main() -> int:
         if torch.cuda.is_available():
             rows += run_default_pipeline(Path(tmp), mnist)
         else:
-            rows.append(("dvc repro (default params, all of MNIST)", "skipped", "no CUDA device on this host"))
+            rows += [(name, "skipped", "no CUDA device on this host")
+                     for name in ("dvc repro (default params, all of MNIST)",
+                                  "train.deterministic cost (single, all of MNIST)")]
+    print("\nCUDA-only mechanisms and the checks that prove them:")
+    for mechanism, check in MECHANISMS:
+        print(f"  {mechanism:<70} {check}")
     width = max(len(name) for name, _, _ in rows)
     print(f"\n{'check':<{width}}  {'outcome':<8} detail")
     for name, outcome, detail in rows:

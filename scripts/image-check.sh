@@ -3,7 +3,8 @@
 # runs every `docker` command the README shows (less --gpus and --ipc, which need a GPU host):
 #   1. makes a stand-in for nvidia/cuda:*-base-ubuntu24.04 (see STAND-IN below);
 #   2. builds the image from it with buildah (chroot isolation, vfs storage: no daemon needed);
-#   3. inside it: `mnist-pipeline --version`; the entrypoint's default `dvc repro` on a small slice
+#   3. inside it: `mnist-pipeline --version`; `gpu-check` (every CUDA check skipped, and said so);
+#      the entrypoint's default `dvc repro` on a small slice
 #      of MNIST, self-contained (the repo baked in, no git) and with a checkout mounted over
 #      /workspace as a non-root uid; one stage's command on that checkout; and training that logs
 #      to an MLflow server on the host, as `--network host -e MLFLOW_TRACKING_URI=...` does.
@@ -131,6 +132,13 @@ params["evaluate"].update(min_test_accuracy=0.5)
 yaml.safe_dump(params, open(sys.argv[2], "w"), sort_keys=False)
 PY
 }
+
+step "gpu-check: docker run --gpus all -v /path/to/mnist:/mnist:ro -e MNIST_SOURCE=/mnist mnist-pipeline gpu-check"
+# No GPU here: it must start, run its CUDA tests (all skipped) and say what it skipped.
+bah run --isolation chroot --user 1000:1000 -v "$mnist:/mnist:ro" -e MNIST_SOURCE=/mnist "$ctr" -- \
+    entrypoint gpu-check | tee "$work/gpu-check.out"
+grep -q "no CUDA device on this host; nothing proven" "$work/gpu-check.out"
+grep -q "test_ddp_on_every_gpu_agrees_with_single .*skipped" "$work/gpu-check.out"
 
 step "self-contained: docker run -v /path/to/mnist:/mnist:ro -e MNIST_SOURCE=/mnist mnist-pipeline"
 small_params params.yaml "$work/small-params.yaml"

@@ -21,11 +21,12 @@ LOG_DIR = Path("checks/logs")  # the Slurm job's output, with train.launcher: sl
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'primitive':<12} {'bytes':>10} {'time (us)':>11} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}"]
+    lines = [f"{'primitive':<12} {'bytes/rank':>10} {'size':>10} {'time (us)':>11} {'algbw (GB/s)':>13} "
+             f"{'busbw (GB/s)':>13}"]
     def bandwidth(value) -> str:
         return f"{'-':>13}" if value is None else f"{value:>13.4f}"
 
-    lines += [f"{r['primitive']:<12} {r['bytes']:>10} {r['time_us']:>11.1f} {bandwidth(r['algbw_gbps'])} "
+    lines += [f"{r['primitive']:<12} {r['bytes']:>10} {r['size_bytes']:>10} {r['time_us']:>11.1f} {bandwidth(r['algbw_gbps'])} "
               f"{bandwidth(r['busbw_gbps'])}" for r in rows]
     return "\n".join(lines)
 
@@ -44,7 +45,7 @@ def per_primitive(rows: list[dict], primitives: tuple[str, ...]) -> dict:
 
 def run_worker(config: Config) -> None:
     rank = parallel.rank_from_env()
-    device = parallel.pick_device(rank)
+    device = parallel.pick_device(rank, config.train.device)
     if device.type == "cpu":
         parallel.limit_cpu_threads(rank)
     backend = parallel.backend_for(device)

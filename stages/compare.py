@@ -48,7 +48,8 @@ def compare(params_path: str, out: str) -> None:
     # answers one question for all of them; the compare run holds the report and the links.
     for row in rows:
         summary = {"speedup_over_single": row["speedup"], "scaling_efficiency": row["scaling_efficiency"],
-                   "total_train_time_s": row["train_time_s"], "mean_samples_per_s": row["samples_per_s"]}
+                   "total_train_time_s": row["train_time_s"], "mean_samples_per_s": row["samples_per_s"],
+                   "steady_samples_per_s": row["steady_samples_per_s"]}
         tracking.log_to_mode_run(config.tracking, mode_ids[row["mode"]],
                                  {key: value for key, value in summary.items() if value is not None}, [])
     tracking.log_compare_run(config.tracking, mode_ids, files)

@@ -17,12 +17,14 @@ from pipeline import checkpoint, parallel, tracking
 from pipeline.atomic import save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, UNFINISHED_FILE, resume_state, trajectory
 from pipeline.config import MODES, Config, flatten, load_config
+from pipeline.determinism import use_deterministic_algorithms
+from pipeline.precision import float32_means_float32
 from pipeline.errors import PipelineError
 from pipeline.loop import Training, to_device
 from pipeline.loop import train as train_model
 from pipeline.prepared import Split, load_prepared, load_stats
 from stages.common import model_dir, params_option, read_run_ids, run_ids_file
-from stages.workers import launch_workers, run_facts, submit_to_slurm
+from stages.workers import gpu_request, launch_workers, run_facts, submit_to_slurm
 
 log = logging.getLogger(__name__)
 CODE_DIRS = [Path(checkpoint.__file__).parent, Path(__file__).parent]  # the pipeline and stages packages
@@ -35,6 +37,8 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
     last = history[-1]
     train_time = sum(m["train_time_s"] for m in history)
     samples = sum(m["samples_per_s"] * m["train_time_s"] for m in history)
+    steady = [m for m in history if m.get("steady_samples_per_s")]
+    steady_time = sum(m["steady_time_s"] for m in steady)
     return {
         "mode": mode,
         "world_size": rank.world_size,
@@ -51,6 +55,10 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
         "batch_shares": batch_shares_label(config.train.batch_size, mode, rank, device),
         "train_time_s": round(train_time, 3),
         "samples_per_s": round(samples / train_time, 1),
+        # After each epoch's first `warmup_steps` steps; None if no epoch had more steps than that.
+        "steady_samples_per_s": (round(sum(m["steady_samples_per_s"] * m["steady_time_s"] for m in steady)
+                                       / steady_time, 1) if steady_time else None),
+        "warmup_steps": config.train.throughput_warmup_steps,
         **{key: last[key] for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy")},
     }
 
@@ -88,7 +96,10 @@ def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, res
             handler.setLevel(logging.WARNING)
     out = model_dir(mode)
     rank_log = attach_rank_log(out / "logs" / f"rank-{rank.rank}.log")
-    device = parallel.pick_device(rank)
+    use_deterministic_algorithms(config.train.deterministic)  # before any CUDA work
+    if not config.train.bf16:
+        float32_means_float32()
+    device = parallel.pick_device(rank, config.train.device)
     if mode == "ddp" and device.type == "cpu":
         parallel.limit_cpu_threads(rank)
     if config.tracking.enabled:
@@ -184,11 +195,16 @@ def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
     check_output_folders(mode)
     if config.tracking.enabled:
         tracking.check_store(tracking.tracking_uri())
+    if config.train.launcher == "local" or mode != "ddp":
+        parallel.gpus_as_wanted(config.train.device)  # train.device: cuda without a GPU fails here
     if mode == "ddp":
         # Fail here, before any worker starts, on what would fail in every worker.
-        workers = config.train.nproc or (1 if config.train.launcher == "slurm" else parallel.default_nproc())
+        workers = config.train.nproc or (1 if config.train.launcher == "slurm"
+                                         else parallel.default_nproc(config.train.device))
         nodes = config.train.nodes if config.train.launcher == "slurm" else 1
         parallel.check_world_size(config.train.batch_size, workers * nodes)
+        if config.train.launcher == "slurm":
+            gpu_request(config)
         if config.tracking.enabled:  # a store on one node's disk cannot take ranks from several
             tracking.check_worker_store(parallel.Rank(world_size=workers * nodes, local_world_size=workers))
         load_stats(Path(data_dir))

@@ -18,9 +18,22 @@ SBATCH_SCRIPT = Path("deploy/slurm/train.sbatch")
 
 def launch_workers(config: Config, command: list[str]) -> None:
     """Run `mnist-pipeline <command>` as one worker per device, as torchrun would."""
-    nproc = config.train.nproc or parallel.default_nproc()
+    nproc = config.train.nproc or parallel.default_nproc(config.train.device)
     click.echo(f"{command[0]}: launching {nproc} workers")
     parallel.launch_workers(nproc, [sys.executable, "-m", "stages", *command])
+
+
+def gpu_request(config: Config) -> list[str]:
+    """sbatch's GPU request: train.nproc GPUs per node with train.device: cuda. Without one, a
+    cluster that confines devices with cgroups hides every GPU from the job, which would then train
+    one CPU worker per node. (auto asks for none: the login node cannot see what the compute nodes
+    hold, so say cuda to train on their GPUs.)"""
+    if config.train.device != "cuda":
+        return []
+    if not config.train.nproc:
+        raise PipelineError("train.device is cuda with train.launcher: slurm, so the job must ask Slurm for GPUs: "
+                            "set train.nproc to the GPUs each node should give it (one worker per GPU)")
+    return ["--gpus-per-node", str(config.train.nproc)]
 
 
 def submit_to_slurm(config: Config, command: list[str], log_dir: Path) -> None:
@@ -39,7 +52,7 @@ def submit_to_slurm(config: Config, command: list[str], log_dir: Path) -> None:
     output = log_dir / "slurm-%j.out"
     click.echo(f"{command[0]}: submitting to Slurm ({config.train.nodes} node(s)), waiting; log: {output}")
     sbatch = ["sbatch", "--wait", "--parsable", "--nodes", str(config.train.nodes), "--output", str(output),
-              str(SBATCH_SCRIPT), *command]
+              *gpu_request(config), str(SBATCH_SCRIPT), *command]
     done = subprocess.run(sbatch, env=env, stdout=subprocess.PIPE, text=True)
     job = done.stdout.strip().split(";")[0]
     if done.returncode != 0:

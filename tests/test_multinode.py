@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 import uuid
@@ -285,8 +286,9 @@ SlurmctldPidFile={home}/slurmctld.pid
 SlurmdPidFile={home}/slurmd-%n.pid
 SlurmctldLogFile={home}/slurmctld.log
 SlurmdLogFile={home}/slurmd-%n.log
-NodeName=node-a NodeAddr={a} CPUs=2 RealMemory=2000 State=UNKNOWN
-NodeName=node-b NodeAddr={b} CPUs=2 RealMemory=2000 State=UNKNOWN
+GresTypes=gpu
+NodeName=node-a NodeAddr={a} CPUs=2 RealMemory=2000 Gres=gpu:2 State=UNKNOWN
+NodeName=node-b NodeAddr={b} CPUs=2 RealMemory=2000 Gres=gpu:2 State=UNKNOWN
 PartitionName=main Nodes=node-a,node-b Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
 
@@ -307,6 +309,12 @@ def slurm(hosts):
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     conf = home / "slurm.conf"
     conf.write_text(SLURM_CONF.format(a=hosts[0].address, b=hosts[1].address, home=home, munge_socket=socket_path))
+    # Two GPUs a node, declared rather than detected (these hosts have none): Slurm grants them to a
+    # job that asks, as a GPU cluster would, so what a job asks for shows in what it gets. Slurm
+    # counts a GPU by its device file; these stand in for /dev/nvidia0 and 1 (null devices).
+    for index in range(2):
+        os.mknod(home / f"nvidia{index}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    (home / "gres.conf").write_text(f"AutoDetect=off\nNodeName=node-a,node-b Name=gpu File={home}/nvidia[0-1]\n")
     env = subprocess_env(SLURM_CONF=str(conf))
     daemons = []
     try:
@@ -347,6 +355,7 @@ def test_dvc_repro_submits_ddp_to_slurm_and_waits(hosts, slurm, tracking_server,
     assert "submitting to Slurm (2 node(s))" in proc.stdout and "finished" in proc.stdout
     (job_log,) = logs
     assert "2 node(s) x 1 worker(s), rendezvous node-a" in job_log.read_text()
+    assert "GPUs per node: none asked for" in job_log.read_text()  # train.device: auto asks for none
 
     summary = json.loads((project / "metrics/train/ddp.json").read_text())
     assert (summary["nodes"], summary["procs_per_node"]) == (2, 1)
@@ -394,3 +403,22 @@ def test_an_interrupted_slurm_training_continues_on_the_next_repro(hosts, slurm,
     (parent,) = [r for r in runs if r["id"] == first["parent"]]
     children = [r for r in runs if r["tags"].get(PARENT) == first["parent"]]
     assert parent["status"] == "FINISHED" and [c["status"] for c in children] == ["FINISHED"] * 2
+
+
+def test_a_gpu_training_asks_slurm_for_its_gpus_and_fails_clearly_where_none_is_visible(hosts, slurm, mnist_dir,
+                                                                                         tmp_path):
+    """train.device: cuda asks the job for train.nproc GPUs a node, and Slurm grants them from its
+    gres.conf. These hosts have no GPU, as on a cluster whose cgroups hide the devices: the worker
+    fails at once, naming train.device, instead of training on the CPU."""
+    project = make_project(tmp_path / "proj", {**SMALL, "tracking": {"enabled": False},
+                                               "train": {**SMALL["train"], "launcher": "slurm", "nodes": 1,
+                                                         "nproc": 1, "device": "cuda"}})
+    env = {**slurm, **project_env(project, MNIST_SOURCE=str(mnist_dir))}
+    assert hosts[0].run(["mnist-pipeline", "prepare"], cwd=project, env=env, timeout=300).returncode == 0
+    proc = hosts[0].run(["mnist-pipeline", "train", "--mode", "ddp"], cwd=project, env=env,
+                        timeout=TWO_NODE_TIMEOUT_S)
+    (job_log,) = sorted((project / "models/ddp/logs").glob("slurm-*.out"))
+    log = job_log.read_text()
+    assert proc.returncode != 0 and "Slurm job" in proc.stderr, proc.stderr[-3000:]
+    assert "GPUs per node: 1" in log, log[-3000:]
+    assert "train.device is cuda, but no GPU is visible" in log, log[-3000:]

@@ -110,3 +110,17 @@ def test_training_and_the_resume_exchange_drain_under_nccl_ordering(tmp_path):
     queues = [pickle.loads((tmp_path / f"calls-{r}.pkl").read_bytes()) for r in range(world)]
     assert Collective("broadcast_object_list", 1) in queues[0]  # the resume came from rank 1's disk
     assert replay(queues) is None
+
+
+def test_commcheck_times_back_to_back_and_checks_one_more_operation():
+    """nccl-tests' convention: `iters` operations between two syncs; the check runs on its own."""
+    queues = queues_of(2, lambda rank: comm.measure("all_reduce", rank, 64, CPU, warmup=2, iters=5))
+    assert queues[0] == [Collective("all_reduce")] * (2 + 5 + 1)
+
+
+def test_the_size_column_is_nccl_tests_size():
+    rows = comm.summarize([{"rank": r, "timings": [{"primitive": p, "bytes": 64, "seconds": 1e-3}
+                                                   for p in ("all_gather", "all_reduce")], "failures": {}}
+                           for r in range(4)], 4)
+    assert [(row["primitive"], row["bytes"], row["size_bytes"]) for row in rows] == [
+        ("all_gather", 64, 256), ("all_reduce", 64, 64)]

@@ -76,6 +76,16 @@ def test_gpu_check_says_plainly_when_there_is_no_gpu():
                   "dvc repro (default params, all of MNIST)"):
         assert any(line.startswith(check) and " skipped " in line for line in result.stdout.splitlines()), check
     assert " passed " not in result.stdout
+    # Every CUDA test is named as the proof of a mechanism, and every named check ran (or was skipped).
+    import ast
+
+    from scripts.gpu_check import MECHANISMS
+
+    tests = {node.name for node in ast.parse((ROOT / "tests/test_cuda.py").read_text()).body
+             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    assert tests == {check for _, check in MECHANISMS if check.startswith("test_")}
+    for _, check in MECHANISMS:
+        assert check in result.stdout, check
 
 
 def test_cpu_threads_follow_the_cpus_this_process_may_use():

@@ -38,3 +38,15 @@ def test_many_shares_are_shown_as_runs():
 
     assert shares_label(batch_shares(128, 24)) == "6x8/5x16"
     assert shares_label(batch_shares(128, 8)) == "16/16/16/16/16/16/16/16"
+
+
+def test_speedups_compare_the_steady_state_when_every_mode_has_one():
+    results = [result("single", 1000.0, steady_samples_per_s=2000.0, warmup_steps=10),
+               result("ddp", 1500.0, world_size=2, steady_samples_per_s=5000.0, warmup_steps=10)]
+    rows = comparison_rows(results)
+    assert [r["speedup"] for r in rows] == [1.0, 2.5]  # not 1.5: the whole epochs' warm-up left out
+    table = markdown(rows, results)
+    assert "| 1,500 | 5,000 | 2.50x |" in table and "after each epoch's first 10 steps" in table
+    results[1].train["steady_samples_per_s"] = None  # an epoch no longer than the warm-up
+    rows = comparison_rows(results)
+    assert [r["speedup"] for r in rows] == [1.0, 1.5] and "over whole epochs" in markdown(rows, results)

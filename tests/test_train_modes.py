@@ -88,6 +88,8 @@ def test_resume_without_checkpoint_or_with_changed_settings(small_project, tmp_p
     "args, params, message",
     [
         (["--mode", "ddp"], {"batch_size": 1}, "train.batch_size = 1 is smaller than the 2 DDP ranks"),
+        (["--mode", "single"], {"device": "cuda"}, "train.device is cuda, but no GPU is visible"),
+        (["--mode", "ddp"], {"device": "cuda"}, "train.device is cuda, but no GPU is visible"),
         (["--mode", "fsdp"], {}, "'fsdp' is not one of 'single', 'dp', 'ddp'"),
         (["--mode", "single", "--data-dir", "nowhere"], {}, "nowhere/train.pt: missing; run `mnist-pipeline prepare`"),
         (["--mode", "ddp", "--data-dir", "nowhere"], {}, "nowhere/stats.json: missing"),
@@ -135,3 +137,25 @@ def test_a_resume_at_an_odd_world_size_ends_with_the_uninterrupted_weights(small
     assert "crashing after epoch 1" in proc.stderr
     assert proc.stderr.count("ddp epoch 1/2") == 1 and proc.stderr.count("ddp epoch 2/2") == 1
     assert max_abs_diff(reference, load_weights(small_project, "ddp")) == 0.0
+
+
+def test_the_steady_state_leaves_out_the_warm_up_steps():
+    from pipeline.loop import PhaseClock
+
+    clock = PhaseClock(torch.device("cpu"))
+    clock.marks = [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]  # two steps, 4 marks each
+    assert clock.seconds_since_step(0) == 13.0 and clock.seconds_since_step(1) == 3.0
+    assert clock.seconds_since_step(2) is None  # no step after the warm-up
+
+
+def test_steady_throughput_is_measured_after_the_warm_up(tmp_path):
+    from pipeline.config import TrainConfig
+    from pipeline.loop import Training, train
+    from tests.ddp_harness import learnable_data
+
+    config = TrainConfig(batch_size=8, throughput_warmup_steps=3)
+    _, history = train(Training(config, "single", Rank(), torch.device("cpu"), tmp_path),
+                       learnable_data(80), learnable_data(9, seed=1))
+    epoch = history[0]
+    assert 0 < epoch["steady_time_s"] < epoch["train_time_s"]
+    assert epoch["steady_samples_per_s"] == pytest.approx(56 / epoch["steady_time_s"])  # 7 of 10 steps of 8
