@@ -1,6 +1,6 @@
 #!/bin/sh
 # No arguments: the whole pipeline (`dvc repro`). `gpu-check`: `make gpu-check`'s checks and table
-# (docker run --gpus all -v /path/to/mnist:/mnist:ro -e MNIST_SOURCE=/mnist IMAGE gpu-check).
+# (docker run --gpus all --ipc=host -v /path/to/mnist:/mnist:ro -e MNIST_SOURCE=/mnist IMAGE gpu-check).
 # Anything else runs as given, e.g.
 #   docker run ... IMAGE mnist-pipeline train --mode ddp
 set -e

@@ -21,8 +21,10 @@ MODEL_FILE = "model.pt"
 # is there, that training was interrupted (a failure, a kill, a lost machine).
 UNFINISHED_FILE = "unfinished.json"
 # The settings that shape the trajectory: resuming under other values would not end where an
-# uninterrupted run ends, so it is refused. (nproc may change: DDP sees the same global batches.)
-TRAJECTORY_KEYS = ("model", "epochs", "batch_size", "lr", "weight_decay", "label_smoothing", "seed")
+# uninterrupted run ends, so it is refused. (nproc may change: DDP sees the same global batches.
+# bf16 changes every step's rounding; deterministic decides whether the bits repeat at all.)
+TRAJECTORY_KEYS = ("model", "epochs", "batch_size", "lr", "weight_decay", "label_smoothing", "seed", "bf16",
+                   "deterministic")
 
 
 def trajectory(config: TrainConfig, mode: str) -> dict[str, Any]:

@@ -199,12 +199,14 @@ def measure(primitive: str, rank: Rank, per_rank_bytes: int, device, warmup: int
     """This rank's mean seconds per operation over `iters` back to back (nccl-tests' timing: one
     sync, not one per operation, so the launch overhead of one overlaps the last one's run), and
     its check of one more operation from fresh inputs. The timed operations reuse their buffers as
-    nccl-tests does: an all_reduce grows its values by the world size each time, far from float32's
-    range at any `iters` the params allow."""
+    nccl-tests does: an all_reduce multiplies its values by the world size each time, and may reach
+    float32's infinity (which costs what any value costs), so the check runs on fresh inputs. A
+    barrier before the timer, as nccl-tests has, keeps one rank's late start out of the others' time."""
     case = make_case(primitive, rank, max(1, per_rank_bytes // ELEMENT_BYTES), device)
     case.setup()
     for _ in range(warmup):
         case.run()
+    dist.barrier()
     _sync(device)
     started = time.perf_counter()
     for _ in range(iters):
@@ -277,7 +279,7 @@ def failure_message(per_rank: list[dict], backend: str) -> str | None:
 
 
 def summarize(per_rank: list[dict], world_size: int) -> list[dict]:
-    """Per primitive and size: the slowest rank's median time, and nccl-tests' bandwidths."""
+    """Per primitive and size: the slowest rank's mean time, and nccl-tests' bandwidths."""
     rows = []
     for i, timing in enumerate(per_rank[0]["timings"]):
         seconds = max(result["timings"][i]["seconds"] for result in per_rank)

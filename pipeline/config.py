@@ -121,7 +121,7 @@ class CommcheckConfig:
     max_bytes: int = field(default=4 * 2**20, metadata=_at_least(4))
     factor: int = field(default=4, metadata=_at_least(2))
     warmup: int = field(default=3, metadata=_at_least(0))
-    iters: int = field(default=10, metadata=_at_least(1))
+    iters: int = field(default=10, metadata=_rule(lambda v: 1 <= v <= 1000, "from 1 to 1000"))
     # Seconds the whole sweep may take, shared evenly by the primitives: each stops growing its
     # message before the next size would overrun its share (every size up to max_bytes on a fast
     # interconnect, fewer on a slow one). 0 = every size up to max_bytes, however long it takes.

@@ -90,28 +90,50 @@ DRIVER_TOO_OLD = re.compile(r"driver on your system is too old \(found version (
 DRIVER_FLOOR = {"12": 525, "13": 580}
 
 
+def driver_gpus() -> tuple[int, str] | None:
+    """(GPUs, driver version) as the NVIDIA driver itself reports them through NVML, which works
+    whatever CUDA version the driver supports; None without a driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount(), pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no driver, no libnvidia-ml: no GPU to speak of
+        return None
+
+
 @functools.cache
 def cuda_device_count() -> int:
-    """The GPUs this process can use. A driver too old for this torch's CUDA is an error, naming
-    both versions: torch only warns (once, easy to miss) and reports no GPU, and training would go
-    to the CPU."""
+    """The GPUs this process can use. GPUs the driver shows but CUDA cannot use are an error that
+    names the driver: with a driver older than this torch's CUDA, torch warns once (easy to miss)
+    and reports no GPU, and training would go to the CPU. (torch.cuda.device_count() asks NVML
+    first, which sees the GPUs whatever the driver's CUDA version, so it cannot tell.)"""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        count = torch.cuda.device_count()
+        usable = torch.cuda.is_available()  # the CUDA runtime's own count, which fails on an old driver
+    too_old = next((found for w in caught if (found := DRIVER_TOO_OLD.search(str(w.message)))), None)
     for warning in caught:
-        found = DRIVER_TOO_OLD.search(str(warning.message))
-        if found:
-            supported = int(found.group(1))
-            needed = torch.version.cuda or "?"
-            floor = DRIVER_FLOOR.get(needed.split(".")[0])
-            raise PipelineError(
-                f"the NVIDIA driver supports CUDA {supported // 1000}.{supported % 1000 // 10}, but this torch "
-                f"{torch.__version__} is built for CUDA {needed}"
-                + (f", which needs driver {floor} or newer" if floor else "")
-                + ": update the driver, install NVIDIA's CUDA forward-compatibility package, or set "
-                  "train.device: cpu to train on the CPU")
-        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    return count
+        if not DRIVER_TOO_OLD.search(str(warning.message)):
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    if usable:
+        return torch.cuda.device_count()
+    driver = driver_gpus()
+    if too_old is None and not (driver and driver[0]):
+        return 0  # no GPU here
+    needed = torch.version.cuda or "?"
+    floor = DRIVER_FLOOR.get(needed.split(".")[0])
+    supported = int(too_old.group(1)) if too_old else None
+    raise PipelineError(
+        "the NVIDIA driver" + (f" {driver[1]}" if driver else "")
+        + (f" shows {driver[0]} GPU(s)" if driver else "")
+        + (f", supports CUDA {supported // 1000}.{supported % 1000 // 10}" if supported else "")
+        + f", but CUDA cannot use them: this torch {torch.__version__} is built for CUDA {needed}"
+        + (f", which needs driver {floor} or newer" if floor else "")
+        + ". Update the driver, install NVIDIA's CUDA forward-compatibility package, or set "
+          "train.device: cpu to train on the CPU")
 
 
 def gpus_as_wanted(wanted: str, who: str = "this process") -> bool:

@@ -27,6 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline import parallel  # noqa: E402
+from pipeline.errors import PipelineError  # noqa: E402
 from tests.conftest import make_project, project_env, subprocess_env  # noqa: E402
 
 TARGET_ACCURACY = 0.99
@@ -47,14 +49,16 @@ MECHANISMS = [
     ("deterministic cuDNN/cuBLAS: identical reruns, bit-identical resume", "test_a_resume_on_the_gpu_ends_with_the_uninterrupted_weights_bit_for_bit"),
     ("steady-state throughput after the warm-up steps", "dvc repro (default params, all of MNIST)"),
     ("what train.deterministic costs", "train.deterministic cost (single, all of MNIST)"),
-    ("the driver floor (CUDA 13.0 wheels: driver 580 or newer)", "the host lines above the table"),
+    ("the driver floor (CUDA 13.0 wheels: driver 580 or newer)", "the first lines: an older driver fails here"),
 ]
 
 
 def describe_host() -> list[str]:
+    driver = parallel.driver_gpus()
     if not torch.cuda.is_available():
         return [f"torch {torch.__version__}: no CUDA device on this host"]
-    lines = [f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"]
+    lines = [f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+             + (f", NVIDIA driver {driver[1]}" if driver else "")]
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
         lines.append(f"cuda:{index} {props.name}, {props.total_memory / 2**30:.0f} GiB, "
@@ -109,7 +113,7 @@ def steady(train: dict) -> str:
 def deterministic_cost(project: Path, mnist: Path) -> tuple[str, str, str]:
     """What `train.deterministic` costs: single trained again on all of MNIST with it off, against
     the pipeline's own single run with it on (both warm: data and kernels cached by then)."""
-    on = json.loads((project / "metrics/train/single.json").read_text())["train_time_s"]
+    on = json.loads((project / "metrics/train/single.json").read_text())["steady_samples_per_s"]
     params = project / "params-nondeterministic.yaml"
     params.write_text((project / "params.yaml").read_text().replace("deterministic: true", "deterministic: false"))
     result = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", str(params)], cwd=project,
@@ -118,11 +122,17 @@ def deterministic_cost(project: Path, mnist: Path) -> tuple[str, str, str]:
     if result.returncode != 0:
         print(result.stderr[-4000:])
         return (name, "FAILED", f"exit code {result.returncode}")
-    off = json.loads((project / "metrics/train/single.json").read_text())["train_time_s"]
-    return (name, "passed", f"{on:.2f} s on, {off:.2f} s off: {on / off:.2f}x")
+    off = json.loads((project / "metrics/train/single.json").read_text())["steady_samples_per_s"]
+    return (name, "passed", f"{on:,.0f} samples/s on, {off:,.0f} off (after the warm-up): {off / on:.2f}x "
+                            "the time per sample with it on")
 
 
 def main() -> int:
+    try:  # GPUs the driver shows but CUDA cannot use (a driver too old for these wheels): say so, fail
+        parallel.cuda_device_count()
+    except PipelineError as exc:
+        print(f"gpu-check: {exc}")
+        return 1
     print("\n".join(describe_host()), flush=True)
     mnist = Path(os.environ.get("MNIST_SOURCE", ROOT.parent / "shared" / "data" / "mnist")).resolve()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:

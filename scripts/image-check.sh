@@ -133,7 +133,7 @@ yaml.safe_dump(params, open(sys.argv[2], "w"), sort_keys=False)
 PY
 }
 
-step "gpu-check: docker run --gpus all -v /path/to/mnist:/mnist:ro -e MNIST_SOURCE=/mnist mnist-pipeline gpu-check"
+step "gpu-check: docker run --gpus all --ipc=host -v /path/to/mnist:/mnist:ro -e MNIST_SOURCE=/mnist mnist-pipeline gpu-check"
 # No GPU here: it must start, run its CUDA tests (all skipped) and say what it skipped.
 bah run --isolation chroot --user 1000:1000 -v "$mnist:/mnist:ro" -e MNIST_SOURCE=/mnist "$ctr" -- \
     entrypoint gpu-check | tee "$work/gpu-check.out"

@@ -18,6 +18,8 @@ from pipeline.config import MODES, Config, load_config
 from pipeline.errors import PipelineError
 from pipeline.evaluation import Evaluation, TrainedModel, confusion_png, evaluate_model, load_trained_model
 from pipeline.loop import to_device
+from pipeline.parallel import Rank, pick_device
+from pipeline.precision import float32_means_float32
 from pipeline.prepared import Split, load_split
 from stages.common import model_dir, params_option, read_run_ids
 
@@ -37,7 +39,7 @@ def predictions_csv(actual: torch.Tensor, predicted: torch.Tensor) -> str:
 
 def evaluate_mode(config: Config, mode: str, trained: TrainedModel, test: Split, data_dir: Path) -> Evaluation:
     """One mode's model on the test split: its files written, its numbers in its MLflow run."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(Rank(), config.train.device)
     images = to_device(test, trained.mean, trained.std, device)
     result = evaluate_model(trained.module.to(device), images, config.evaluate.batch_size)
 
@@ -69,6 +71,7 @@ def evaluate(params_path: str, modes: tuple[str, ...], data_dir: str) -> None:
     if config.tracking.enabled:
         tracking.check_store(tracking.tracking_uri())
     test = load_split(Path(data_dir), "test")
+    float32_means_float32()  # the test numbers in plain float32, whatever precision trained the model
     results = {mode: evaluate_mode(config, mode, trained[mode], test, Path(data_dir)) for mode in modes}
 
     gate = config.evaluate.min_test_accuracy

@@ -146,6 +146,7 @@ def test_bf16_keeps_float32_accuracy(gpu_project, tmp_path):
     """bf16's own check: the same budget, the validation accuracy float32 reaches (tests/tolerances.py)."""
     if not torch.cuda.is_bf16_supported(including_emulation=False):
         pytest.skip("this GPU has no native bf16")
+    train_cli(gpu_project, "ddp")  # float32, the project's setting
     fp32 = json.loads((gpu_project / "metrics/train/ddp.json").read_text())["val_accuracy"]
     bf16 = write_params(tmp_path / "bf16.yaml", data=SMALL["data"],
                         train={**SMALL["train"], "batch_size": 100, "nproc": 0, "bf16": True})

@@ -25,16 +25,19 @@ def test_torch_words_an_old_driver_as_the_check_expects():
 
 
 def test_a_driver_too_old_is_an_error_naming_both_versions(monkeypatch):
-    """torch warns and reports no GPU; training would go to the CPU. The pipeline refuses."""
-    def device_count() -> int:
+    """torch's runtime count warns and reports no GPU, while the driver (NVML) shows two; training
+    would go to the CPU. The pipeline refuses, naming the driver."""
+    def is_available() -> bool:
         warnings.warn(TOO_OLD, UserWarning)
-        return 0
+        return False
 
-    monkeypatch.setattr(torch.cuda, "device_count", device_count)
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    monkeypatch.setattr(parallel, "driver_gpus", lambda: (2, "535.104.05"))
     parallel.cuda_device_count.cache_clear()
     try:
-        with pytest.raises(PipelineError, match=r"the NVIDIA driver supports CUDA 12\.2, but this torch .* built for "
-                                                r"CUDA 13\.0, which needs driver 580 or newer: update the driver"):
+        with pytest.raises(PipelineError, match=r"the NVIDIA driver 535\.104\.05 shows 2 GPU\(s\), supports CUDA 12\.2, "
+                                                r"but CUDA cannot use them: this torch .* built for CUDA 13\.0, which "
+                                                r"needs driver 580 or newer\. Update the driver"):
             parallel.pick_device(Rank(), "auto")
         assert parallel.pick_device(Rank(), "cpu").type == "cpu"  # asked for the CPU: no GPU question
         assert parallel.default_nproc("cpu") == parallel.CPU_ONLY_DEFAULT_NPROC
@@ -42,12 +45,25 @@ def test_a_driver_too_old_is_an_error_naming_both_versions(monkeypatch):
         parallel.cuda_device_count.cache_clear()
 
 
-def test_other_cuda_warnings_still_reach_the_user(monkeypatch):
-    def device_count() -> int:
-        warnings.warn("CUDA initialization: something else", UserWarning)
-        return 0
+def test_gpus_the_driver_shows_but_cuda_cannot_use_are_an_error_even_without_the_warning(monkeypatch):
+    """torch warns once a process: a second look gets no warning, but the driver still shows GPUs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(parallel, "driver_gpus", lambda: (8, "550.54"))
+    parallel.cuda_device_count.cache_clear()
+    try:
+        with pytest.raises(PipelineError, match=r"the NVIDIA driver 550\.54 shows 8 GPU\(s\), but CUDA cannot use them"):
+            parallel.pick_device(Rank(), "auto")
+    finally:
+        parallel.cuda_device_count.cache_clear()
 
-    monkeypatch.setattr(torch.cuda, "device_count", device_count)
+
+def test_other_cuda_warnings_still_reach_the_user(monkeypatch):
+    def is_available() -> bool:
+        warnings.warn("CUDA initialization: something else", UserWarning)
+        return False
+
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    monkeypatch.setattr(parallel, "driver_gpus", lambda: None)
     parallel.cuda_device_count.cache_clear()
     try:
         with pytest.warns(UserWarning, match="something else"):

@@ -115,7 +115,7 @@ def test_training_and_the_resume_exchange_drain_under_nccl_ordering(tmp_path):
 def test_commcheck_times_back_to_back_and_checks_one_more_operation():
     """nccl-tests' convention: `iters` operations between two syncs; the check runs on its own."""
     queues = queues_of(2, lambda rank: comm.measure("all_reduce", rank, 64, CPU, warmup=2, iters=5))
-    assert queues[0] == [Collective("all_reduce")] * (2 + 5 + 1)
+    assert queues[0] == [Collective("all_reduce")] * 2 + [Collective("barrier")] + [Collective("all_reduce")] * (5 + 1)
 
 
 def test_the_size_column_is_nccl_tests_size():
