@@ -21,8 +21,9 @@ ENV DEBIAN_FRONTEND=noninteractive \
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv git ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
-    # DVC refuses a repository owned by another uid: a mounted checkout usually is.
-    && git config --system --add safe.directory '*' \
+    # DVC refuses a repository owned by another uid: a mounted checkout usually is. Only the
+    # workspace is trusted so: '*' would let any repository on a mounted volume run its hooks.
+    && git config --system --add safe.directory /workspace \
     && python3 -m venv "$VIRTUAL_ENV" \
     && if user=$(id -nu 1000 2>/dev/null); then userdel --remove "$user"; fi \
     && if group=$(getent group 1000); then groupdel "${group%%:*}"; fi \

@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from pipeline.errors import PipelineError
 
@@ -76,15 +76,40 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+# In every folder a stage replaces whole: the mark that it is the pipeline's to replace.
+MADE_HERE = ".made-by-mnist-pipeline"
+
+
+def check_replaceable(path: Path, contents: Iterable[str]) -> None:
+    """Refuse to replace a folder the pipeline did not make: `--out ~/Documents` must not delete
+    a user's files. Ours are marked; one from before the mark holds nothing but `contents`."""
+    if not path.is_dir():
+        if path.exists():
+            raise PipelineError(f"{path}: is a file, not a folder; choose another --out")
+        return
+    entries = {entry.name for entry in path.iterdir()}
+    if not entries or MADE_HERE in entries or entries <= set(contents):
+        return
+    others = sorted(entries - set(contents))
+    raise PipelineError(
+        f"{path}: already holds files this stage did not write ({', '.join(others[:3])}"
+        f"{', ...' if len(others) > 3 else ''}), and writing there would replace the whole folder; "
+        "choose an empty or new folder for --out, or move those files away")
+
+
 @contextmanager
-def atomic_dir(path: str | Path) -> Iterator[Path]:
-    """Yield an empty temporary folder that replaces the folder `path` once the block succeeds."""
+def atomic_dir(path: str | Path, contents: Iterable[str]) -> Iterator[Path]:
+    """Yield an empty temporary folder that replaces the folder `path` once the block succeeds.
+    `contents`: the names the block writes, so that a folder holding anything else is refused
+    before any work (check_replaceable)."""
     path = Path(path)
+    check_replaceable(path, contents)
     writable_folder(path.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp creates 0700
     try:
         yield tmp
+        (tmp / MADE_HERE).write_text("This folder is an output of mnist-pipeline: a rerun replaces it whole.\n")
         # A folder cannot be swapped in one rename, so the old one is moved aside first: a crash
         # between the two renames leaves the new folder complete beside the old one, not a mix.
         old = path.with_name(f".{path.name}.old")

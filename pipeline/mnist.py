@@ -32,6 +32,8 @@ SPLIT_FILES = {
 }
 UNSIGNED_BYTE = 0x08
 IMAGE_DIMS, LABEL_DIMS = 3, 1
+IMAGE_SIZE = (28, 28)  # what the models' first layers are built for
+NUM_CLASSES = 10
 
 
 @dataclass(frozen=True)
@@ -114,12 +116,33 @@ def read_split(folder: Path, split: str, verify: bool) -> tuple[Split, list[IdxF
     image_name, label_name = SPLIT_FILES[split]
     images = read_idx(folder, image_name, IMAGE_DIMS, verify)
     labels = read_idx(folder, label_name, LABEL_DIMS, verify)
+    check_mnist_like(split, images, labels)
+    return Split(images.tensor, labels.tensor.long()), [images, labels]
+
+
+def check_mnist_like(split: str, images: IdxFile, labels: IdxFile) -> None:
+    """What training relies on, checked whether or not the checksums are: 28x28 images, as many
+    labels as images (at least one), every label a digit. Custom IDX data (verify_checksums off)
+    that breaks one of these would otherwise fail late, inside training, with a bare IndexError."""
+    if tuple(images.tensor.shape[1:]) != IMAGE_SIZE:
+        raise DataError(
+            f"{images.path}: images are {'x'.join(map(str, images.tensor.shape[1:]))} pixels, the models take "
+            f"{IMAGE_SIZE[0]}x{IMAGE_SIZE[1]}; resize the {split} images to 28x28 (MNIST's size)"
+        )
     if len(images.tensor) != len(labels.tensor):
         raise DataError(
             f"{images.path} holds {len(images.tensor)} images but {labels.path} holds "
             f"{len(labels.tensor)} labels; the two files of the {split} split must match"
         )
-    return Split(images.tensor, labels.tensor.long()), [images, labels]
+    if len(labels.tensor) == 0:
+        raise DataError(f"{labels.path}: the {split} split is empty; it needs at least one image")
+    bad = labels.tensor >= NUM_CLASSES  # uint8: never below 0
+    if bad.any():
+        first = int(bad.nonzero()[0, 0])
+        raise DataError(
+            f"{labels.path}: {int(bad.sum())} label(s) outside 0-{NUM_CLASSES - 1} (the first, at index {first}, "
+            f"is {int(labels.tensor[first])}); MNIST labels are the digits 0-9: fix the labels file"
+        )
 
 
 def download(root: Path) -> Path:

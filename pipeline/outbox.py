@@ -2,10 +2,18 @@
 waits on the tracking server, and what could not be sent outlives the process.
 
 Each call is one JSON line in `<folder>/<name>.jsonl`; `<name>.sent` holds how many lines were
-delivered, in order, and `<name>.target` where they go (the tracking server's address). The thread retries a failed delivery (the server is down) until it goes
+delivered, in order, and `<name>.target` the store they were made for (for messages only: where they go is the user's
+current setting). The thread retries a failed delivery (the server is down) until it goes
 through; `drain` waits a bounded time for the rest, and `replay` sends what a finished process left
 behind (the `send-runs` command). Delivery must be idempotent: after a crash between a delivery and
 its `.sent` update, that line is delivered again.
+
+A failure is one of two kinds, and `refused` (given by the caller, who knows the client) tells
+them apart: a server that is away (no connection, a 5xx) is waited for; one that says no (a 4xx,
+no permission, a read-only or full store) would say no forever, so sending stops at once and the
+reason is kept in `refusal`. The file is not trusted as code is: `check` vets every line before it
+is sent (what it may upload, which run it names), and a line that fails it, or is not JSON, is
+reported as `file:line` and skipped while the good lines go on.
 """
 
 from __future__ import annotations
@@ -24,15 +32,21 @@ log = logging.getLogger(__name__)
 RETRY_S = (1, 2, 4, 8)  # waits between attempts while the server is away, then every 8 s
 
 
+def _never(exc: Exception) -> bool:
+    return False
+
+
 class Outbox:
-    def __init__(self, folder: Path, name: str, deliver: Callable[[dict], Any], target: str):
+    def __init__(self, folder: Path, name: str, deliver: Callable[[dict], Any], target: str,
+                 refused: Callable[[Exception], bool] = _never, check: Callable[[dict], None] | None = None):
         folder.mkdir(parents=True, exist_ok=True)
         self.path, self._sent_path = folder / f"{name}.jsonl", folder / f"{name}.sent"
         write_text(folder / f"{name}.target", target + "\n")
-        self._deliver = deliver
+        self._deliver, self._refused = deliver, refused
         # What an earlier attempt (a torchrun restart) could not send goes first.
-        self._ops, self._sent = read(self.path, self._sent_path)
+        self._ops, self._sent = read(self.path, self._sent_path, check)
         self.last_error: Exception | None = None
+        self.refusal: Exception | None = None  # once set, nothing more is sent
         self.disk_error: Exception | None = None  # once set, calls are kept in memory only
         self._cond = threading.Condition()
         self._closed = False
@@ -62,7 +76,8 @@ class Outbox:
         """Wait up to `timeout_s` for everything put so far to be delivered; what is left."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._sent < len(self._ops) and (left := deadline - time.monotonic()) > 0:
+            while (self._sent < len(self._ops) and self.refusal is None
+                   and (left := deadline - time.monotonic()) > 0):
                 self._cond.wait(left)
             return len(self._ops) - self._sent
 
@@ -84,9 +99,18 @@ class Outbox:
                     return
                 op = self._ops[self._sent]
             try:
-                self._deliver(op)
-            except Exception as exc:  # the server is away: keep the op, try again later
+                if op is not None:  # None: a damaged line, reported when read
+                    self._deliver(op)
+            except Exception as exc:
                 self.last_error = exc
+                if self._refused(exc):  # asking again would get the same answer
+                    log.error("the tracking server refused a call (%s); nothing more is sent, what is left is kept "
+                              "in %s", _short(exc), self.path)
+                    with self._cond:
+                        self.refusal = exc
+                        self._cond.notify_all()
+                    return
+                # The server is away: keep the op, try again later.
                 if failures == 0:
                     log.warning("tracking server unreachable (%s); training goes on, tracking is kept in %s "
                                 "and sent when it answers", _short(exc), self.path.parent)
@@ -106,22 +130,57 @@ class Outbox:
                 self._cond.notify_all()
 
 
-def read(path: Path, sent_path: Path) -> tuple[list[dict], int]:
-    ops = [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
-    sent = int(sent_path.read_text()) if sent_path.is_file() else 0
+def read(path: Path, sent_path: Path, check: Callable[[dict], None] | None = None) -> tuple[list[dict | None], int]:
+    """The calls kept in `path`, one per line (None for a line that is damaged or fails `check`,
+    each reported as file:line), and how many of them were sent already."""
+    try:
+        sent = int(sent_path.read_text()) if sent_path.is_file() else 0
+    except ValueError:
+        log.warning("%s: damaged; sending every call in %s again (each is sent once)", sent_path, path.name)
+        sent = 0
+    ops: list[dict | None] = []
+    for number, line in enumerate(path.read_text().splitlines() if path.is_file() else [], start=1):
+        try:
+            op = json.loads(line)
+            if not isinstance(op, dict):
+                raise ValueError("not a JSON object")
+            if check is not None:
+                check(op)
+        except ValueError as exc:  # json's errors are ValueErrors too
+            if number > sent:
+                log.warning("%s:%d: skipped, not a tracking call this training made (%s)", path, number, _short(exc))
+            op = None
+        ops.append(op)
     return ops, sent
 
 
-def replay(path: Path, deliver: Callable[[dict], Any]) -> int:
+def replay(path: Path, deliver: Callable[[dict], Any], check: Callable[[dict], None] | None = None) -> int:
     """Send, in order, what a process left undelivered in `path`; how many were sent. Stops at the
     first failure (raised), having recorded what went through; removes the files once all did."""
     sent_path = path.with_suffix(".sent")
-    ops, sent = read(path, sent_path)
+    ops, sent = read(path, sent_path, check)
+    delivered = 0
     for index in range(sent, len(ops)):
-        deliver(ops[index])
+        if ops[index] is not None:
+            deliver(ops[index])
+            delivered += 1
         write_text(sent_path, f"{index + 1}\n")
     _remove(path)
-    return len(ops) - sent
+    return delivered
+
+
+def discard(folder: Path) -> int:
+    """Remove an outbox folder; how many unsent calls it held."""
+    left = 0
+    for path in folder.glob("*.jsonl") if folder.is_dir() else []:
+        ops, sent = read(path, path.with_suffix(".sent"))
+        left += max(len(ops) - sent, 0)
+        _remove(path)
+    for stray in folder.glob("*") if folder.is_dir() else []:
+        stray.unlink(missing_ok=True)
+    if folder.is_dir():
+        folder.rmdir()
+    return left
 
 
 def _remove(path: Path) -> None:

@@ -15,11 +15,11 @@ import torch
 from pipeline.atomic import atomic_dir
 from pipeline.config import DataConfig
 from pipeline.errors import DataError
-from pipeline.mnist import IdxFile, Split
+from pipeline.mnist import NUM_CLASSES, IdxFile, Split
 
 SPLITS = ("train", "val", "test")
 STATS_FILE = "stats.json"
-NUM_CLASSES = 10
+PREPARED_FILES = (*(f"{name}.pt" for name in SPLITS), STATS_FILE)  # all that data/prepared holds
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def describe(splits: dict[str, Split], sources: list[IdxFile], verified: bool) -
 
 
 def save_prepared(out_dir: Path, splits: dict[str, Split], stats: dict) -> None:
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, PREPARED_FILES) as tmp:
         for name, split in splits.items():
             torch.save({"images": split.images.contiguous(), "labels": split.labels}, tmp / f"{name}.pt")
         (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")

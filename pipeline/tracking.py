@@ -11,11 +11,13 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
 import sqlite3
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +42,9 @@ os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 # pipeline.outbox), so MLflow's own retries (minutes, at its defaults) are kept short.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+# MLflow 3 reports usage to its makers unless told not to. A training pipeline sends nothing its
+# user did not ask for (air-gapped clusters, privacy rules): off, unless the user sets it to false.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 DEFAULT_DB = "mlflow.db"
 DEFAULT_ARTIFACTS = "mlartifacts"
 PARENT_TAG = "mlflow.parentRunId"
@@ -68,6 +73,105 @@ def dvc_experiment_facts() -> dict[str, str]:
     return {key: value for key, value in facts.items() if value}
 
 
+def shown(uri: str) -> str:
+    """`uri` as it may be printed or written down: a password in it (http://user:secret@host)
+    becomes ***. MLflow takes credentials from MLFLOW_TRACKING_USERNAME/PASSWORD instead."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.password is None:
+        return uri
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def _http_status(exc: BaseException) -> int | None:
+    """The HTTP status an MLflow call failed with, where it had one."""
+    response = getattr(exc, "response", None)  # requests' HTTPError, from artifact uploads
+    if getattr(response, "status_code", None):
+        return int(response.status_code)
+    if hasattr(exc, "get_http_status_code") and getattr(exc, "error_code", "INTERNAL_ERROR") != "INTERNAL_ERROR":
+        return int(exc.get_http_status_code())
+    return None
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether the store said no (a 4xx answer, no permission, a read-only or full artifact
+    store, no such run), as opposed to being away (no connection, a 5xx, a timeout): waiting
+    on a refusal would never end it."""
+    status = _http_status(exc)
+    if status is not None:
+        return 400 <= status < 500 and status not in (408, 429)
+    # requests' errors are OSErrors too: without a status they are a connection that failed.
+    if isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.split(".")[0] in ("requests", "urllib3"):
+        return False
+    if isinstance(exc, OSError):  # local artifact folder: EACCES, EROFS, ENOSPC, EDQUOT
+        return True
+    text = str(exc)
+    return "Permission denied" in text or "Read-only file system" in text or "Disk quota exceeded" in text
+
+
+def _reason(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:300]
+
+
+def _schema_advice(uri: str, text: str) -> str:
+    """MLflow calls every schema mismatch out of date and says to upgrade; a store written by a
+    newer MLflow has a revision this one has never heard of, and no upgrade fixes that."""
+    import mlflow
+
+    found = re.search(r"found version (\w+)", text)
+    if found and not _known_revision(found[1]):
+        return (f"tracking store {shown(uri)}: its schema ({found[1]}) was written by a newer MLflow than this one "
+                f"({mlflow.__version__}), and `mlflow db upgrade` cannot fix that; use the MLflow version that wrote "
+                "it, or point MLFLOW_TRACKING_URI at another store")
+    return (f"tracking store {shown(uri)}: its schema is older than this MLflow's ({mlflow.__version__}); back the "
+            f"store up, then run `mlflow db upgrade {shown(uri)}`")
+
+
+def _known_revision(revision: str) -> bool:
+    """Whether this MLflow's migrations include `revision`."""
+    from alembic.script import ScriptDirectory
+    from mlflow.store.db.utils import _get_alembic_config
+
+    try:
+        return ScriptDirectory.from_config(_get_alembic_config(db_url="")).get_revision(revision) is not None
+    except Exception:  # alembic raises for a revision it does not know
+        return False
+
+
+@contextmanager
+def store_errors(uri: str, doing: str = "opening it") -> Iterator[None]:
+    """Any error from MLflow or the database under it, as one line that names the store (without
+    its password) and says what to do."""
+    try:
+        yield
+    except PipelineError:
+        raise
+    except Exception as exc:
+        if not (from_tracking(exc) or isinstance(exc, OSError)):  # OSError: a local artifact folder
+            raise
+        text = _reason(exc)
+        status = _http_status(exc)
+        if "out-of-date database schema" in text:
+            message = _schema_advice(uri, text)
+        elif status == 403 and "Invalid Host header" in text:
+            message = (f"tracking server {shown(uri)} refuses the host name this client uses ({text}); start the "
+                       "server with --allowed-hosts naming it (e.g. --allowed-hosts THAT_HOST:5000)")
+        elif status in (401, 403):
+            message = (f"tracking server {shown(uri)} refused this client (HTTP {status}: {text}); set "
+                       "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to an account it accepts")
+        else:
+            message = (f"tracking store {shown(uri)}: {doing} failed ({text}); fix MLFLOW_TRACKING_URI, or set "
+                       "tracking.enabled: false to train without tracking")
+        raise PipelineError(message) from exc
+
+
+def from_tracking(exc: BaseException) -> bool:
+    """Raised by MLflow, SQLAlchemy, SQLite or the HTTP client under MLflow."""
+    module = type(exc).__module__.split(".")[0]
+    return module in ("mlflow", "sqlalchemy", "sqlite3", "requests", "urllib3", "alembic")
+
+
 def _sqlite_path(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
 
@@ -81,7 +185,7 @@ def check_store(uri: str) -> None:
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise PipelineError(
-                f"MLFLOW_TRACKING_URI={uri}: the tracking server does not answer ({reason}); start it "
+                f"MLFLOW_TRACKING_URI={shown(uri)}: the tracking server does not answer ({reason}); start it "
                 "(mlflow server --host 127.0.0.1 --port 5000), fix the address, or unset "
                 f"MLFLOW_TRACKING_URI to record runs in ./{DEFAULT_DB}"
             ) from None
@@ -92,8 +196,45 @@ def check_store(uri: str) -> None:
         raise PipelineError(f"tracking store {uri}: cannot write in {path.parent}; fix MLFLOW_TRACKING_URI")
     # WAL lets one writer and many readers work at once: without it, ranks that log at the same
     # moment get "database is locked". The mode is stored in the file, so setting it once is enough.
-    with closing(sqlite3.connect(path, timeout=30)) as db:
-        db.execute("PRAGMA journal_mode=WAL")
+    try:
+        with closing(sqlite3.connect(path, timeout=30)) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+    except sqlite3.Error as exc:
+        raise PipelineError(f"tracking store {uri}: {path} is not a usable SQLite database ({exc}); move it away "
+                            "to start a new store, or point MLFLOW_TRACKING_URI at another one") from None
+
+
+def preflight(config: TrackingConfig) -> str | None:
+    """Everything about the store that a training can check before it changes the disk: the
+    store answers, its schema is this MLflow's, the server accepts this host and client, the
+    experiment name is accepted and the experiment not deleted. Returns the experiment's id."""
+    if not config.enabled:
+        return None
+    from mlflow import MlflowClient
+
+    uri = tracking_uri()
+    check_store(uri)
+    with store_errors(uri, f"opening experiment {config.experiment!r}"):
+        return _experiment_id(MlflowClient(uri), config.experiment, uri)
+
+
+def missing_runs(config: TrackingConfig, ids: dict) -> list[str]:
+    """The runs of `ids` (a training's, from mlflow_run.json) that the current store does not
+    hold: a training whose store changed cannot continue in them."""
+    if not config.enabled or not ids:
+        return []
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    client, missing = MlflowClient(tracking_uri()), []
+    for run_id in [ids["parent"], *ids.get("children", {}).values()]:
+        try:
+            client.get_run(run_id)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            missing.append(run_id)
+    return missing
 
 
 def check_worker_store(rank: Rank) -> None:
@@ -106,7 +247,7 @@ def check_worker_store(rank: Rank) -> None:
     local_file = uri.startswith(("sqlite:", "file:")) or "://" not in uri
     if nodes(rank) > 1 and local_file:
         raise PipelineError(
-            f"rank {rank.rank}: the ranks run on {nodes(rank)} nodes, but the tracking store is {uri}, a file "
+            f"rank {rank.rank}: the ranks run on {nodes(rank)} nodes, but the tracking store is {shown(uri)}, a file "
             "on each node's own disk. Set MLFLOW_TRACKING_URI on every node to one tracking server they all "
             "reach (e.g. `mlflow server --host 0.0.0.0 --port 5000` on one machine, then "
             "MLFLOW_TRACKING_URI=http://THAT_HOST:5000), or set tracking.enabled: false")
@@ -198,6 +339,16 @@ class ModeRun:
     outbox: Any
     monitor: Any = None
     _client: Any = field(default=None, repr=False)
+    reopen: bool = False  # a continued training: its ended runs are set RUNNING again by until_done
+
+    def start(self) -> None:
+        """Inside the section that ends the runs: a continued training's runs go back to RUNNING
+        only where a failure would end them again."""
+        if self.reopen:
+            with store_errors(self.uri, "reopening the runs"):
+                if self.rank.is_main:
+                    self._client.update_run(self.parent_id, status="RUNNING")
+                self._client.update_run(self.child_id, status="RUNNING")
 
     @property
     def ids(self) -> dict[str, Any]:
@@ -255,15 +406,22 @@ class ModeRun:
         wait_s = self.config.outage_wait_s if wait_s is None else wait_s
         left = self.outbox.drain(wait_s)
         self.outbox.close()
+        refusal = getattr(self.outbox, "refusal", None)
+        if left and refusal is not None:
+            raise PipelineError(
+                f"{self.mode}: the tracking store {shown(self.uri)} refused this training's tracking "
+                f"({_reason(refusal)}). Training's outputs are saved; what rank {self.rank.rank} could not send "
+                f"({left} calls) is kept in {self.outbox.path}. Fix what the store says (permissions, space, the "
+                f"account), then `mnist-pipeline send-runs --mode {self.mode}`")
         if left:
             error = getattr(self.outbox, "last_error", None)
             if getattr(self.outbox, "disk_error", None) is not None:
                 raise PipelineError(
-                    f"{self.mode}: the tracking server {self.uri} did not take this training's tracking within "
+                    f"{self.mode}: the tracking server {shown(self.uri)} did not take this training's tracking within "
                     f"tracking.outage_wait_s = {wait_s:g} s ({error}), and {left} calls could not be kept on disk "
                     f"either ({self.outbox.disk_error}): they are lost. Training's outputs are saved")
             raise PipelineError(
-                f"{self.mode}: the tracking server {self.uri} did not take this training's tracking within "
+                f"{self.mode}: the tracking server {shown(self.uri)} did not take this training's tracking within "
                 f"tracking.outage_wait_s = {wait_s:g} s ({error}). Training's outputs are saved; what rank "
                 f"{self.rank.rank} could not send ({left} calls: metrics, files, the model, the runs' end) is kept "
                 f"in {self.outbox.path}. When the server answers: `mnist-pipeline send-runs --mode {self.mode}`"
@@ -281,6 +439,7 @@ class _Direct:
 
     path = None
     last_error = None
+    refusal = None
 
     def __init__(self, deliver):
         self._deliver = deliver
@@ -336,19 +495,21 @@ def _log_model(client, uri: str, op: dict) -> None:
     logging.getLogger("mlflow.pytorch").addFilter(_KnownPickleWarning())
     mlflow.set_tracking_uri(uri)
     registered = op.get("registered")
-    with mlflow.start_run(run_id=op["run"]):
-        info = mlflow.pytorch.log_model(
-            model,
-            name="model",
-            input_example=example.numpy(),
-            signature=infer_signature(example.numpy(), output),
-            # Pinned, not inferred: inference reloads the model in a subprocess, which is slow.
-            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-            # A plain nn.Module back from load_model, for any batch size; the torch.export
-            # format would fix the batch to the example's and cannot be put in eval mode.
-            serialization_format="pickle",
-            registered_model_name=registered,
-        )
+    # run_id, not mlflow.start_run(run_id=...): that would set the run RUNNING, then FINISHED on
+    # the way out, whatever status the training ended it with.
+    info = mlflow.pytorch.log_model(
+        model,
+        run_id=op["run"],
+        name="model",
+        input_example=example.numpy(),
+        signature=infer_signature(example.numpy(), output),
+        # Pinned, not inferred: inference reloads the model in a subprocess, which is slow.
+        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+        # A plain nn.Module back from load_model, for any batch size; the torch.export
+        # format would fix the batch to the example's and cannot be put in eval mode.
+        serialization_format="pickle",
+        registered_model_name=registered,
+    )
     if registered:  # the mode names its version: models:/<name>@<mode> is what that mode trained
         version = str(info.registered_model_version)
         client.set_registered_model_alias(registered, op["mode"], version)
@@ -356,7 +517,32 @@ def _log_model(client, uri: str, op: dict) -> None:
             client.set_model_version_tag(registered, version, key, value)
 
 
-def _outbox(folder: Path | None, rank: Rank, uri: str):
+OPS = ("metrics", "artifact", "model", "end")
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def op_checker(mode_dir: Path):
+    """What an outbox line may ask, vetted before it is sent: the file is on a disk others may
+    write to (a shared volume), so it is data, not code. A line may name a known operation on a
+    run id, upload only files under the mode's own folder, and end a run only as MLflow does."""
+    root = Path(mode_dir).resolve()
+
+    def check(op: dict) -> None:
+        if op.get("op") not in OPS:
+            raise ValueError(f"unknown operation {op.get('op')!r}")
+        if not RUN_ID.fullmatch(str(op.get("run", ""))):
+            raise ValueError(f"{op.get('run')!r} is not a run id")
+        if op["op"] in ("artifact", "model"):
+            path = Path(str(op.get("path") if op["op"] == "artifact" else op.get("file"))).resolve()
+            if not path.is_relative_to(root):
+                raise ValueError(f"{path} is outside {mode_dir}: only the mode's own files are uploaded")
+        if op["op"] == "end" and op.get("status") not in ("FINISHED", "FAILED", "KILLED"):
+            raise ValueError(f"{op.get('status')!r} is not how a run ends")
+
+    return check
+
+
+def _outbox(folder: Path | None, rank: Rank, uri: str, mode_dir: Path | None = None):
     from functools import partial
 
     from mlflow import MlflowClient
@@ -366,23 +552,41 @@ def _outbox(folder: Path | None, rank: Rank, uri: str):
     deliver = partial(_deliver, MlflowClient(uri), uri)  # a client of its own for the sender thread
     if folder is None:
         return _Direct(deliver)
-    return Outbox(folder, f"rank-{rank.rank}", deliver, target=uri)
+    return Outbox(folder, f"rank-{rank.rank}", deliver, target=shown(uri), refused=refused,
+                  check=op_checker(mode_dir or folder.parent))
 
 
-def send_kept(folder: Path) -> int:
-    """Send what trainings left in `folder` (an outbox) to the server they were logging to: the
-    `send-runs` command. Returns how many calls were sent."""
+def send_kept(folder: Path, uri: str | None = None) -> int:
+    """Send what trainings left in `folder` (a mode's outbox) to the current store (`uri`, else
+    MLFLOW_TRACKING_URI or the default): the `send-runs` command. Where the calls go is the
+    user's setting now, never what a file says. Returns how many calls were sent."""
     from functools import partial
 
     from mlflow import MlflowClient
 
     from pipeline.outbox import replay
 
-    sent = 0
-    for path in sorted(folder.glob("rank-*.jsonl")) if folder.is_dir() else []:
-        uri = path.with_suffix(".target").read_text().strip()  # the server those runs live on
+    uri = uri or tracking_uri()
+    kept = sorted(folder.glob("rank-*.jsonl")) if folder.is_dir() else []
+    if kept:
         check_store(uri)
-        sent += replay(path, partial(_deliver, MlflowClient(uri), uri))
+    sent = 0
+    for path in kept:
+        target = path.with_suffix(".target")
+        made_for = target.read_text().strip() if target.is_file() else "(not recorded)"
+        deliver = partial(_deliver, MlflowClient(uri), uri)
+        try:
+            sent += replay(path, deliver, op_checker(folder.parent))
+        except Exception as exc:
+            if _http_status(exc) == 404 or getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+                raise PipelineError(
+                    f"{path}: its runs are not in the tracking store {shown(uri)} (they were made in {made_for}); "
+                    f"set MLFLOW_TRACKING_URI to that store and run send-runs again, or drop what is kept with "
+                    f"`mnist-pipeline send-runs --mode {folder.parent.name} --discard`") from None
+            if isinstance(exc, PipelineError) or not from_tracking(exc):
+                raise
+            with store_errors(uri, f"sending {path}"):
+                raise
     return sent
 
 
@@ -433,7 +637,7 @@ def compare_link(experiment_id: str, run_ids: Iterable[str], uri: str | None = N
 
 def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str, str], params: dict[str, Any],
                    resume: dict | None = None, outbox_dir: Path | None = None) -> ModeRun | Untracked:
-    """Open (or, on resume, reopen) the parent run on rank 0 and a child run on every rank. What is
+    """Open (or, on resume, find again) the parent run on rank 0 and a child run on every rank. What is
     logged afterwards is kept in `outbox_dir` until the server has it (None: sent at once)."""
     if not config.enabled:
         return Untracked()
@@ -448,12 +652,12 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
         client = MlflowClient(uri)
         if resume:
             experiment_id, parent_id = resume["experiment_id"], resume["parent"]
-            client.update_run(parent_id, status="RUNNING")
         else:
-            experiment_id = _experiment_id(client, config.experiment, uri)
-            run_tags = {**tags, **git_facts(), **dvc_experiment_facts(), "host": socket.gethostname()}
-            parent_id = client.create_run(experiment_id, run_name=mode, tags=run_tags).info.run_id
-            client.log_batch(parent_id, params=_as_params(params))
+            with store_errors(uri, "starting the runs"):
+                experiment_id = _experiment_id(client, config.experiment, uri)
+                run_tags = {**tags, **git_facts(), **dvc_experiment_facts(), "host": socket.gethostname()}
+                parent_id = client.create_run(experiment_id, run_name=mode, tags=run_tags).info.run_id
+                client.log_batch(parent_id, params=_as_params(params))
         shared = (experiment_id, parent_id)
     else:
         shared = None
@@ -463,8 +667,7 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
 
     previous = (resume or {}).get("children", {})
     if rank.rank in previous:
-        child_id = previous[rank.rank]
-        client.update_run(child_id, status="RUNNING")
+        child_id = previous[rank.rank]  # reopened by until_done, which also ends it
     else:
         child_tags = {PARENT_TAG: parent_id, "mode": mode, "rank": str(rank.rank),
                       "local_rank": str(rank.local_rank), "world_size": str(rank.world_size),
@@ -482,7 +685,7 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
                                        node_id=socket.gethostname() if nodes(rank) > 1 else None)
         monitor.start()
     return ModeRun(config, mode, rank, uri, experiment_id, parent_id, child_id, children,
-                   _outbox(outbox_dir, rank, uri), monitor, client)
+                   _outbox(outbox_dir, rank, uri), monitor, client, reopen=bool(resume))
 
 
 @contextmanager
@@ -491,6 +694,7 @@ def until_done(runs: ModeRun | Untracked) -> Iterator[None]:
     no run is ever left RUNNING by a process that is gone."""
     with stop_signals_unwind() as shield:
         try:
+            runs.start()
             yield
         except BaseException:
             shield()
@@ -507,6 +711,9 @@ class Untracked:
     """Stands in for a ModeRun when tracking.enabled is false, so callers need no branches."""
 
     ids: dict = {}
+
+    def start(self) -> None:
+        pass
 
     def log_epoch(self, metrics: dict, rank_metrics: dict) -> None:
         pass

@@ -2,11 +2,16 @@
 
 import importlib
 import logging
+import os
+import sys
+import traceback
 
 import click
 
 from pipeline import __version__, malloc
 from pipeline.errors import PipelineError
+
+DEBUG_ENV = "MNIST_PIPELINE_DEBUG"  # =1: every error also shows its traceback
 
 # Sub-command -> its module, imported only when that command runs: compare and send-runs need
 # neither torch nor the others' imports, and every stage is a process of its own.
@@ -29,7 +34,42 @@ class PipelineGroup(click.Group):
         try:
             return super().invoke(ctx)
         except PipelineError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(_shown(exc, str(exc))) from None
+        except Exception as exc:
+            message = library_failure(exc)
+            if message is None:  # a bug: its traceback is the report
+                raise
+            raise click.ClickException(_shown(exc, message)) from None
+
+
+def _shown(exc: BaseException, message: str) -> str:
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        traceback.print_exception(exc, file=sys.stderr)
+    return message
+
+
+def library_failure(exc: Exception) -> str | None:
+    """The one-line message for an error a library raised about the user's setup (the tracking
+    store, the rendezvous), where no stage caught it first; None for anything else."""
+    # Through importlib, as the commands are: how an error is worded changes no stage's outputs, so
+    # the tracking module must not become every stage's DVC dependency (tests/test_dvc_deps.py).
+    tracking = importlib.import_module("pipeline.tracking")
+    rank = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
+    if tracking.from_tracking(exc):
+        try:
+            with tracking.store_errors(tracking.tracking_uri()):
+                raise exc
+        except PipelineError as translated:
+            return f"{rank}{translated} ({DEBUG_ENV}=1 shows the traceback)"
+    module = type(exc).__module__
+    if module.startswith("torch.distributed") or type(exc).__name__ in ("DistError", "DistStoreError",
+                                                                         "DistNetworkError", "RendezvousError"):
+        where = os.environ.get("MASTER_ADDR", "?") + ":" + os.environ.get("MASTER_PORT", "?")
+        return (f"{rank}torch.distributed could not reach the other ranks through {where} "
+                f"({' '.join(str(exc).split())[:300]}); check that every node runs the same command and reaches "
+                f"the rendezvous address and port, and that no other program holds the port "
+                f"({DEBUG_ENV}=1 shows the traceback)")
+    return None
 
 
 @click.group(cls=PipelineGroup, context_settings={"help_option_names": ["-h", "--help"]})

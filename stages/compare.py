@@ -6,11 +6,13 @@ from pathlib import Path
 import click
 
 from pipeline import tracking
-from pipeline.atomic import atomic_dir
+from pipeline.atomic import atomic_dir, check_replaceable
 from pipeline.config import load_config
 from pipeline.errors import PipelineError
 from pipeline.report import ModeResult, comparison_rows, markdown, read_curves, throughput_png, val_loss_png
 from stages.common import params_option, read_run_ids
+
+REPORT_FILES = ("comparison.md", "throughput.png", "val_loss.png")
 
 
 def read_json(path: Path) -> dict:
@@ -35,13 +37,14 @@ def compare(params_path: str, out: str) -> None:
     config = load_config(params_path)
     if config.tracking.enabled:
         tracking.check_store(tracking.tracking_uri())
+    check_replaceable(Path(out), REPORT_FILES)
     results = [mode_result(mode) for mode in config.train.modes]
     rows = comparison_rows(results)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, REPORT_FILES) as tmp:
         (tmp / "comparison.md").write_text(markdown(rows, results))
         throughput_png(rows, tmp / "throughput.png")
         val_loss_png(results, tmp / "val_loss.png")
-    files = [Path(out) / name for name in ("comparison.md", "throughput.png", "val_loss.png")]
+    files = [Path(out) / name for name in REPORT_FILES]
 
     mode_ids = {r.mode: read_run_ids(r.mode) for r in results}
     # Each number goes to its own mode's run, under one name in every mode, so one MLflow chart

@@ -8,7 +8,8 @@ import click
 from pipeline import mnist
 from pipeline.config import load_config
 from pipeline.errors import DataError
-from pipeline.prepared import describe, save_prepared, split_train_val
+from pipeline.atomic import check_replaceable
+from pipeline.prepared import PREPARED_FILES, describe, save_prepared, split_train_val
 from stages.common import params_option
 
 
@@ -30,6 +31,7 @@ def source_folder(download_root: Path) -> Path:
 def prepare(params_path: str, out: str, download_root: str) -> None:
     """Read MNIST (MNIST_SOURCE or a download), verify it, split it, write data/prepared/."""
     config = load_config(params_path).data
+    check_replaceable(Path(out), PREPARED_FILES)  # before a download, not after
     folder = source_folder(Path(download_root))
     train, train_files = mnist.read_split(folder, "train", config.verify_checksums)
     test, test_files = mnist.read_split(folder, "test", config.verify_checksums)

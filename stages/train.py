@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline import checkpoint, parallel, tracking
+from pipeline import checkpoint, lockfile, outbox, parallel, tracking
 from pipeline.atomic import save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, UNFINISHED_FILE, resume_state, trajectory
 from pipeline.config import MODES, Config, flatten, load_config
@@ -22,14 +22,16 @@ from pipeline.precision import float32_means_float32
 from pipeline.errors import PipelineError
 from pipeline.loop import Training, to_device
 from pipeline.loop import train as train_model
-from pipeline.prepared import Split, load_prepared, load_stats
+from pipeline.mnist import IMAGE_SIZE
+from pipeline.prepared import STATS_FILE, Split, load_prepared, load_stats
 from stages.common import model_dir, params_option, read_run_ids, run_ids_file
-from stages.workers import gpu_request, launch_workers, run_facts, submit_to_slurm
+from stages.workers import gpu_request, launch_workers, run_facts, slurm_ready, submit_to_slurm
 
 log = logging.getLogger(__name__)
 CODE_DIRS = [Path(checkpoint.__file__).parent, Path(__file__).parent]  # the pipeline and stages packages
 METRICS_DIR = Path("metrics/train")
 CURVES_DIR = Path("plots/train")
+RUN_FILES = "run-files"  # in models/<mode>: what the parent run gets besides the model and checkpoint
 CURVE_COLUMNS = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
 
 
@@ -122,13 +124,13 @@ def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, res
         runs = tracking.start_mode_run(config.tracking, mode, rank, facts, params,
                                        state.get("extra", {}).get("mlflow") if state else None,
                                        outbox_dir=out / tracking.OUTBOX_DIR)
-        if rank.is_main:  # at once, so the launcher can end these runs if a worker is killed outright
-            write_json(run_ids_file(mode), runs.ids)
-        if state is None:  # a resumed run has them already
-            runs.log_datasets(data_dir, ("train", "val"))
-        run = Training(config.train, mode, rank, device, out, resume_state=state, epoch_hooks=[runs.log_epoch],
-                       extra_state={"mlflow": runs.ids}, log_every_n_steps=config.tracking.log_every_n_steps)
-        with tracking.until_done(runs):
+        with tracking.until_done(runs):  # from the moment the runs exist: nothing may leave them RUNNING
+            if rank.is_main:  # at once, so the launcher can end these runs if a worker is killed outright
+                write_json(run_ids_file(mode), runs.ids)
+            if state is None:  # a resumed run has them already
+                runs.log_datasets(data_dir, ("train", "val"))
+            run = Training(config.train, mode, rank, device, out, resume_state=state, epoch_hooks=[runs.log_epoch],
+                           extra_state={"mlflow": runs.ids}, log_every_n_steps=config.tracking.log_every_n_steps)
             model, history = train_model(run, train_split, val_split)
             if rank.is_main:
                 write_outputs(config, params_path, mode, rank, device, model, history, data, runs)
@@ -148,34 +150,95 @@ def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.R
     write_json(METRICS_DIR / f"{mode}.json", summarize(config, mode, rank, device, history))
     write_text(curves, curves_csv(history))
     write_json(run_ids_file(mode), runs.ids)
+    # The run's files are uploaded from the mode's own folder only (tracking.op_checker): copies.
+    run_files = out / RUN_FILES
+    write_text(run_files / "params.yaml", params_path.read_text())
+    write_text(run_files / curves.name, curves.read_text())
     example = to_device(Split(data.splits["val"].images[:4], data.splits["val"].labels[:4]),
                         data.mean, data.std, torch.device("cpu")).images
-    runs.finish_parent(out / MODEL_FILE, example, [out / CHECKPOINT_FILE, curves, params_path])
+    runs.finish_parent(out / MODEL_FILE, example,
+                       [out / CHECKPOINT_FILE, run_files / curves.name, run_files / "params.yaml"])
 
 
 def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
     """Whether this training continues an interrupted one in models/<mode> (dvc.yaml keeps that
-    folder between attempts). It does when the settings, the prepared data and the code are as they
-    were, so it ends where an uninterrupted training would, in the same MLflow runs. One that
-    cannot go on leaves no RUNNING run behind and no checkpoint to be taken for this one's."""
+    folder between attempts). It does when the settings, the prepared data, the code and the
+    tracking store are as they were, so it ends where an uninterrupted training would, in the same
+    MLflow runs. One that cannot go on leaves no RUNNING run behind, and no checkpoint or outbox
+    to be taken for this one's."""
     out = model_dir(mode)
     inputs = checkpoint.inputs_digest(data_dir, CODE_DIRS)
     record = checkpoint.unfinished(out)
     go_on = asked  # --resume: continue whatever is there (the workers check its settings)
+    missing = tracking.missing_runs(config.tracking, read_run_ids(mode)) if (record is not None or asked) else []
+    if asked and missing and (out / CHECKPOINT_FILE).is_file():
+        raise PipelineError(
+            f"{out / CHECKPOINT_FILE} continues MLflow runs that the tracking store "
+            f"{tracking.shown(tracking.tracking_uri())} does not hold ({missing[0]}...): set MLFLOW_TRACKING_URI "
+            "back to the store it was trained with, or train afresh without --resume")
     if record is not None and not asked:
         why_not = checkpoint.why_not_continue(out, record, trajectory(config.train, mode), inputs)
+        if why_not is None and missing:
+            why_not = (f"its MLflow runs are not in the tracking store "
+                       f"{tracking.shown(tracking.tracking_uri())} (was MLFLOW_TRACKING_URI changed?)")
         go_on = why_not is None
         if go_on:
             log.info("%s: continuing the training interrupted in %s", mode, out)
         else:
             log.warning("%s: the training interrupted in %s cannot go on: %s; starting afresh, its MLflow "
                         "runs end FAILED", mode, out, why_not)
-            tracking.fail_unfinished(config.tracking, read_run_ids(mode))
+            if not missing:
+                tracking.fail_unfinished(config.tracking, read_run_ids(mode))
     if not go_on:  # what an earlier training left there (its logs are in MLflow and DVC's cache)
         (out / CHECKPOINT_FILE).unlink(missing_ok=True)
         shutil.rmtree(out / "logs", ignore_errors=True)
+        dropped = outbox.discard(out / tracking.OUTBOX_DIR)
+        if dropped:
+            log.warning("%s: dropped %d tracking calls an earlier training kept in %s for its own runs (send them "
+                        "first with `mnist-pipeline send-runs --mode %s` if you need them)",
+                        mode, dropped, out / tracking.OUTBOX_DIR, mode)
     write_json(out / UNFINISHED_FILE, {"inputs": inputs, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     return go_on
+
+
+def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
+    """Everything that can be checked before the disk changes: a training that cannot start must
+    leave the last one's checkpoint, logs and runs as they were (pick_up changes them)."""
+    check_output_folders(mode)
+    if config.tracking.enabled:
+        tracking.preflight(config.tracking)  # store, schema, host, account, experiment name
+    if config.train.launcher == "local" or mode != "ddp":
+        parallel.gpus_as_wanted(config.train.device)  # train.device: cuda without a GPU fails here
+    if mode == "ddp":
+        # Fail here, before any worker starts, on what would fail in every worker.
+        workers = config.train.nproc or (1 if config.train.launcher == "slurm"
+                                         else parallel.default_nproc(config.train.device))
+        nodes = config.train.nodes if config.train.launcher == "slurm" else 1
+        parallel.check_world_size(config.train.batch_size, workers * nodes)
+        if config.train.launcher == "slurm":
+            slurm_ready()
+            gpu_request(config)
+        if config.tracking.enabled:  # a store on one node's disk cannot take ranks from several
+            tracking.check_worker_store(parallel.Rank(world_size=workers * nodes, local_world_size=workers))
+    check_prepared(data_dir, config.train.batch_size)
+
+
+def check_prepared(data_dir: Path, batch_size: int) -> None:
+    """The prepared data is there and is what the models take; a split too small for one batch
+    is allowed (quick runs) but said, with its numbers."""
+    stats = load_stats(data_dir)
+    for name in ("train", "val"):
+        split = stats["splits"][name]
+        if list(split["image_shape"]) != list(IMAGE_SIZE) or not split["count"]:
+            raise PipelineError(
+                f"{data_dir / STATS_FILE}: the {name} split holds {split['count']} images of "
+                f"{'x'.join(map(str, split['image_shape']))} pixels, not 28x28 MNIST images; run "
+                "`mnist-pipeline prepare` (or `dvc repro prepare`) again")
+    train_count, val_count = stats["splits"]["train"]["count"], stats["splits"]["val"]["count"]
+    if train_count < batch_size:
+        log.warning("the training split has %d images (%d more were taken for validation, data.val_size), fewer "
+                    "than one global batch (train.batch_size = %d): every epoch is a single step of %d images",
+                    train_count, val_count, batch_size, train_count)
 
 
 @click.command()
@@ -192,28 +255,15 @@ def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
             check_output_folders(mode)
         run_worker(config, Path(params_path), mode, Path(data_dir), resume)
         return
-    check_output_folders(mode)
-    if config.tracking.enabled:
-        tracking.check_store(tracking.tracking_uri())
-    if config.train.launcher == "local" or mode != "ddp":
-        parallel.gpus_as_wanted(config.train.device)  # train.device: cuda without a GPU fails here
-    if mode == "ddp":
-        # Fail here, before any worker starts, on what would fail in every worker.
-        workers = config.train.nproc or (1 if config.train.launcher == "slurm"
-                                         else parallel.default_nproc(config.train.device))
-        nodes = config.train.nodes if config.train.launcher == "slurm" else 1
-        parallel.check_world_size(config.train.batch_size, workers * nodes)
-        if config.train.launcher == "slurm":
-            gpu_request(config)
-        if config.tracking.enabled:  # a store on one node's disk cannot take ranks from several
-            tracking.check_worker_store(parallel.Rank(world_size=workers * nodes, local_world_size=workers))
-        load_stats(Path(data_dir))
-    resume = pick_up(config, mode, Path(data_dir), asked=resume)
-    if mode == "ddp":
-        launch_ddp(config, params_path, data_dir, resume)
-    else:
-        run_worker(config, Path(params_path), mode, Path(data_dir), resume)
-    (model_dir(mode) / UNFINISHED_FILE).unlink()  # only now: every output is in place
+    check_output_folders(mode)  # the lock lives in models/<mode>
+    with lockfile.held(model_dir(mode), f"train --mode {mode}"):
+        check_can_start(config, mode, Path(data_dir))
+        resume = pick_up(config, mode, Path(data_dir), asked=resume)
+        if mode == "ddp":
+            launch_ddp(config, params_path, data_dir, resume)
+        else:
+            run_worker(config, Path(params_path), mode, Path(data_dir), resume)
+        (model_dir(mode) / UNFINISHED_FILE).unlink()  # only now: every output is in place
 
 
 def check_output_folders(mode: str) -> None:

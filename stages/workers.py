@@ -36,15 +36,20 @@ def gpu_request(config: Config) -> list[str]:
     return ["--gpus-per-node", str(config.train.nproc)]
 
 
-def submit_to_slurm(config: Config, command: list[str], log_dir: Path) -> None:
-    """Run `mnist-pipeline <command>` as a Slurm job of train.nodes nodes and wait for it: the
-    sbatch script starts one torchrun per node. The job writes into this directory, which the
-    nodes share, so what it makes is here when sbatch returns."""
+def slurm_ready() -> None:
+    """sbatch and the batch script are here (checked before a training changes anything)."""
     if shutil.which("sbatch") is None:
         raise PipelineError("train.launcher is slurm, but sbatch is not on PATH: run this on a Slurm login "
                             "node, or set train.launcher: local")
     if not SBATCH_SCRIPT.is_file():
         raise PipelineError(f"{SBATCH_SCRIPT}: missing; run from the project's root directory")
+
+
+def submit_to_slurm(config: Config, command: list[str], log_dir: Path) -> None:
+    """Run `mnist-pipeline <command>` as a Slurm job of train.nodes nodes and wait for it: the
+    sbatch script starts one torchrun per node. The job writes into this directory, which the
+    nodes share, so what it makes is here when sbatch returns."""
+    slurm_ready()
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     if config.train.nproc:

@@ -78,3 +78,68 @@ def test_the_trainjob_runs_torchrun_on_the_runtime_it_names_with_what_nccl_and_o
 
 def test_the_sbatch_script_is_valid_bash():
     subprocess.run(["bash", "-n", str(ROOT / "deploy/slurm/train.sbatch")], check=True)
+
+
+# Pod Security Standards, "restricted" profile (kubernetes.io/docs/concepts/security/pod-security-standards):
+# the volume types it allows, and the capabilities a container may add back after dropping ALL.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """What keeps `pod` (a pod spec) out of a namespace that enforces Pod Security "restricted"."""
+    bad = []
+    pod_ctx = pod.get("securityContext", {})
+    for volume in pod.get("volumes", []):
+        if not set(volume) - {"name"} <= RESTRICTED_VOLUMES:
+            bad.append(f"volume {volume['name']}: type {sorted(set(volume) - {'name'})} not allowed")
+    if pod.get("hostNetwork") or pod.get("hostPID") or pod.get("hostIPC"):
+        bad.append("host namespaces")
+    for container in pod.get("containers", []) + pod.get("initContainers", []):
+        ctx, name = container.get("securityContext", {}), container["name"]
+        if ctx.get("privileged"):
+            bad.append(f"{name}: privileged")
+        if ctx.get("allowPrivilegeEscalation", True) is not False:
+            bad.append(f"{name}: allowPrivilegeEscalation must be false")
+        if "ALL" not in ctx.get("capabilities", {}).get("drop", []):
+            bad.append(f"{name}: capabilities must drop ALL")
+        if set(ctx.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{name}: adds capabilities")
+        if not (ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")) is True):
+            bad.append(f"{name}: runAsNonRoot must be true")
+        if ctx.get("runAsUser", pod_ctx.get("runAsUser")) == 0:
+            bad.append(f"{name}: runs as uid 0")
+        seccomp = ctx.get("seccompProfile", pod_ctx.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{name}: seccompProfile must be RuntimeDefault or Localhost")
+        for port in container.get("ports", []):
+            if port.get("hostPort"):
+                bad.append(f"{name}: hostPort")
+    return bad
+
+
+def patched_pod(job: dict) -> dict:
+    (patched,) = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    return patched["template"]["spec"]["template"]["spec"]
+
+
+def test_the_trainjob_meets_pod_security_restricted_with_limits_and_a_versioned_image():
+    job = manifests()["TrainJob"]
+    assert restricted_violations(patched_pod(job)) == []
+    resources = job["spec"]["trainer"]["resourcesPerNode"]
+    for kind in ("cpu", "memory"):
+        assert kind in resources["requests"] and kind in resources["limits"], kind
+    image = job["spec"]["trainer"]["image"]
+    tag = image.rsplit(":", 1)[1] if ":" in image.rsplit("/", 1)[-1] else ""
+    assert tag and tag != "latest", image
+    assert "uid/gid 1000" in TRAINJOB.read_text()  # the uid it runs as is the image's user (Dockerfile)
+    assert "useradd --create-home --uid 1000" in (ROOT / "Dockerfile").read_text()
+
+
+def test_the_restricted_check_catches_what_the_profile_forbids():
+    pod = copy.deepcopy(patched_pod(manifests()["TrainJob"]))
+    pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True
+    pod["securityContext"].pop("seccompProfile")
+    pod["containers"][0]["securityContext"].pop("seccompProfile")
+    pod["volumes"].append({"name": "host", "hostPath": {"path": "/"}})
+    assert len(restricted_violations(pod)) == 3

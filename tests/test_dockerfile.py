@@ -42,7 +42,15 @@ def test_non_root_workspace_and_entrypoint():
     users = [arg for op, arg in steps if op == "USER"]
     assert users and not users[-1].startswith(("0", "root"))
     assert steps[-1] == ("ENTRYPOINT", '["entrypoint"]')
-    assert "safe.directory" in DOCKERFILE and "rm -rf /var/lib/apt/lists/*" in DOCKERFILE
+    assert "rm -rf /var/lib/apt/lists/*" in DOCKERFILE
+
+
+def test_git_trusts_only_the_workspace():
+    # A mounted checkout belongs to the host user, so git must be told to trust it; '*' would
+    # trust every repository the container can see (a volume's hooks and config included).
+    run = " ".join(arg for op, arg in instructions() if op == "RUN")
+    trusted = re.findall(r"safe\.directory\s+(\S+)", run)
+    assert trusted == ["/workspace"], trusted
 
 
 def test_dockerignore_keeps_generated_things_out():

@@ -1,0 +1,213 @@
+"""A training checks everything it can before it changes the disk: a start that fails leaves the
+last training's checkpoint, logs and runs as they were (bytes compared), and says why in one line.
+Also: one training of a mode at a time, data that is not MNIST refused at prepare, and `--out`
+never deleting a folder the pipeline did not make."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sqlite3
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (SMALL, VENV_BIN, free_port, idx_bytes, make_project, project_env, run, subprocess_env,
+                            train_cli, write_tiny_mnist)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, mnist_dir):
+    project = make_project(tmp_path_factory.mktemp("start") / "proj", SMALL)
+    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    return project
+
+
+def plant_previous_training(project: Path, mode: str) -> dict[str, str]:
+    """What a finished training left in models/<mode> (its checkpoint and logs): digests to compare."""
+    out = project / "models" / mode
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    (out / "checkpoint.pt").write_bytes(b"the previous training's checkpoint " * 1000)
+    (out / "logs/rank-0.log").write_text("the previous training's log\n")
+    (out / "unfinished.json").unlink(missing_ok=True)
+    return digests(out)
+
+
+def digests(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".train.lock"}
+
+
+def assert_refused_and_untouched(project, mode, before, result, *expected):
+    assert result.returncode != 0, result.stdout + result.stderr
+    for text in expected:
+        assert text in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "epoch 1/" not in result.stderr
+    assert digests(project / "models" / mode) == before  # no unfinished.json either
+
+
+def newer_schema_store(path: Path) -> str:
+    """A SQLite store as a newer MLflow leaves it: a schema revision this MLflow does not know."""
+    uri = f"sqlite:///{path}"
+    from mlflow import MlflowClient
+
+    MlflowClient(uri).search_experiments()  # this MLflow's schema, complete
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE alembic_version SET version_num = 'ffffffffffff'")
+    return uri
+
+
+def test_a_store_written_by_a_newer_mlflow_is_refused_before_the_disk_changes(project, tmp_path):
+    before = plant_previous_training(project, "single")
+    uri = newer_schema_store(tmp_path / "newer.db")
+    result = train_cli(project, "single", check=False, MLFLOW_TRACKING_URI=uri)
+    assert_refused_and_untouched(project, "single", before, result,
+                                 f"tracking store {uri}: its schema (ffffffffffff) was written by a newer MLflow",
+                                 "`mlflow db upgrade` cannot fix that")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_debug_switch_shows_the_traceback(project, tmp_path):
+    uri = newer_schema_store(tmp_path / "newer.db")
+    result = train_cli(project, "single", check=False, MLFLOW_TRACKING_URI=uri, MNIST_PIPELINE_DEBUG="1")
+    assert result.returncode == 1 and "Traceback" in result.stderr and "MlflowException" in result.stderr
+
+
+def test_an_experiment_name_mlflow_rejects_is_refused_before_the_disk_changes(project):
+    before = plant_previous_training(project, "single")
+    params = (project / "params.yaml").read_text().replace("experiment: mnist-data-parallel",
+                                                             f"experiment: {'x' * 600}")
+    (project / "long-name.yaml").write_text(params)
+    result = train_cli(project, "single", "--params", "long-name.yaml", check=False)
+    assert_refused_and_untouched(project, "single", before, result, "opening experiment 'xxxx",
+                                 "tracking.enabled: false")
+
+
+def test_a_missing_sbatch_is_found_before_the_disk_changes(project):
+    before = plant_previous_training(project, "ddp")
+    # Tracking off: a local store would be refused for ranks on several nodes first.
+    params = (project / "params.yaml").read_text().replace("launcher: local", "launcher: slurm")
+    params = params.replace("enabled: true\n  experiment", "enabled: false\n  experiment")
+    (project / "slurm.yaml").write_text(params)
+    result = train_cli(project, "ddp", "--params", "slurm.yaml", check=False, PATH=str(VENV_BIN))  # no sbatch
+    assert_refused_and_untouched(project, "ddp", before, result, "sbatch is not on PATH")
+
+
+@pytest.fixture(scope="module")
+def picky_server(tmp_path_factory):
+    """A real `mlflow server` that only answers clients asking for another host name."""
+    import urllib.request
+
+    home = tmp_path_factory.mktemp("picky")
+    port = free_port()
+    log = open(home / "server.log", "w")
+    proc = subprocess.Popen(
+        ["mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--allowed-hosts", "tracking.example:5000",
+         "--backend-store-uri", f"sqlite:///{home / 'server.db'}", "--artifacts-destination", str(home / "a")],
+        cwd=home, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
+    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(f"{uri}/health", timeout=2)
+            break
+        except OSError as exc:
+            if getattr(exc, "code", None):  # it answers, if only to refuse
+                break
+            assert proc.poll() is None and time.monotonic() < deadline, (home / "server.log").read_text()
+            time.sleep(0.5)
+    yield uri
+    proc.terminate()
+    proc.wait(timeout=30)
+    log.close()
+
+
+def test_a_server_that_refuses_this_host_name_is_found_before_the_disk_changes(project, picky_server):
+    before = plant_previous_training(project, "single")
+    result = train_cli(project, "single", check=False, MLFLOW_TRACKING_URI=picky_server)
+    assert_refused_and_untouched(project, "single", before, result, "--allowed-hosts")
+
+
+def test_a_second_training_of_the_mode_is_refused_at_once_naming_the_first(project):
+    first = subprocess.Popen(["mnist-pipeline", "train", "--mode", "single"], cwd=project,
+                             env=subprocess_env(**project_env(project)), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    lock = project / "models/single/.train.lock"
+    deadline = time.monotonic() + 120
+    while not (lock.is_file() and "pid" in lock.read_text()):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.1)
+    started = time.monotonic()
+    second = train_cli(project, "single", check=False)
+    assert time.monotonic() - started < 30
+    assert second.returncode == 1, second.stderr
+    assert "another training of this mode is running in this project (train --mode single, pid " \
+           f"{first.pid}" in second.stderr, second.stderr
+    out, err = first.communicate(timeout=600)
+    assert first.returncode == 0, err[-3000:]
+    assert not (project / "models/single/unfinished.json").exists()
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("shape", "images are 27x27 pixels, the models take 28x28"),
+    ("labels", "label(s) outside 0-9 (the first, at index 3, is 11)"),
+])
+def test_data_that_is_not_mnist_is_refused_at_prepare_with_checksums_off(tmp_path, damage, message):
+    source = write_tiny_mnist(tmp_path / "idx")
+    if damage == "shape":
+        (source / "train-images-idx3-ubyte").write_bytes(idx_bytes([0] * 40 * 27 * 27, (40, 27, 27)))
+    else:
+        labels = [i % 10 for i in range(40)]
+        labels[3] = 11
+        (source / "train-labels-idx1-ubyte").write_bytes(idx_bytes(labels, (40,)))
+    project = make_project(tmp_path / "proj", {"data": {"verify_checksums": False, "val_size": 10}})
+    result = run(["mnist-pipeline", "prepare"], project, check=False, **project_env(project, MNIST_SOURCE=str(source)))
+    assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not (project / "data/prepared").exists()
+
+
+def test_a_split_smaller_than_one_batch_is_trained_with_a_warning_naming_the_numbers(tmp_path, caplog):
+    from pipeline.config import load_config
+    from pipeline.prepared import save_prepared, split_train_val
+    from pipeline.mnist import read_split
+    from stages.train import check_prepared
+
+    source = write_tiny_mnist(tmp_path / "idx")
+    project = make_project(tmp_path / "proj", {"data": {"verify_checksums": False, "val_size": 10}})
+    config = load_config(project / "params.yaml")
+    train, files = read_split(source, "train", verify=False)
+    test, test_files = read_split(source, "test", verify=False)
+    from pipeline.prepared import describe
+
+    train, val = split_train_val(train, config.data)
+    splits = {"train": train, "val": val, "test": test}
+    save_prepared(tmp_path / "prepared", splits, describe(splits, files + test_files, verified=False))
+    with caplog.at_level(logging.WARNING):
+        check_prepared(tmp_path / "prepared", batch_size=128)
+    assert ("the training split has 30 images (10 more were taken for validation, data.val_size), fewer than one "
+            "global batch (train.batch_size = 128)") in caplog.text
+
+
+def test_out_never_replaces_a_folder_the_pipeline_did_not_make(project, mnist_dir, tmp_path):
+    mine = tmp_path / "my-folder"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    for command in (["prepare", "--out", str(mine)], ["compare", "--out", str(mine)]):
+        result = run(["mnist-pipeline", *command], project, check=False,
+                     **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+        assert result.returncode == 1, result.stdout + result.stderr
+        assert f"{mine}: already holds files this stage did not write (thesis.tex)" in result.stderr
+        assert (mine / "thesis.tex").read_text() == "years of work"
+
+
+def test_out_replaces_its_own_folder_and_an_empty_one(project, mnist_dir, tmp_path):
+    target = tmp_path / "prepared"
+    target.mkdir()  # empty: fine
+    env = project_env(project, MNIST_SOURCE=str(mnist_dir))
+    for _ in range(2):  # the second time, the folder is the pipeline's own (marked)
+        run(["mnist-pipeline", "prepare", "--out", str(target)], project, **env)
+    assert (target / ".made-by-mnist-pipeline").is_file() and (target / "stats.json").is_file()
