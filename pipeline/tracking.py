@@ -494,9 +494,10 @@ def _log_model(client, uri: str, op: dict) -> None:
         output = model(example).numpy()
     logging.getLogger("mlflow.pytorch").addFilter(_KnownPickleWarning())
     mlflow.set_tracking_uri(uri)
+    # The run's experiment, and its id, not mlflow.start_run(run_id=...): that would set the run
+    # RUNNING, then FINISHED on the way out, whatever status the training ended it with.
+    mlflow.set_experiment(experiment_id=client.get_run(op["run"]).info.experiment_id)
     registered = op.get("registered")
-    # run_id, not mlflow.start_run(run_id=...): that would set the run RUNNING, then FINISHED on
-    # the way out, whatever status the training ended it with.
     info = mlflow.pytorch.log_model(
         model,
         run_id=op["run"],

@@ -1,5 +1,6 @@
 """The outbox under the tracking calls: kept on disk first, sent in order, never lost."""
 
+import json
 import threading
 
 from pipeline.outbox import Outbox, replay
@@ -69,3 +70,95 @@ def test_a_disk_that_cannot_keep_them_leaves_the_calls_in_memory_without_stoppin
     box.put({"n": 1})
     assert box.disk_error is not None
     assert box.drain(30) == 0 and server.got == [0, 1]  # still sent, in order
+
+
+class Refusing(Flaky):
+    """A server that says no (a read-only artifact store, a 403) to every call."""
+
+    def __call__(self, op):
+        self.got.append(op["n"])
+        raise PermissionError(13, "Read-only file system")
+
+
+def test_a_refusal_stops_sending_at_once_with_the_servers_reason(tmp_path):
+    import time
+
+    server = Refusing()
+    box = Outbox(tmp_path / "box", "rank-0", server, target="http://server", refused=lambda exc: True)
+    box.put({"n": 0})
+    box.put({"n": 1})
+    started = time.monotonic()
+    assert box.drain(60) == 2 and time.monotonic() - started < 5  # not the outage wait
+    assert "Read-only file system" in str(box.refusal) and server.got == [0]  # asked once, not again
+    box.close()
+    assert len((tmp_path / "box/rank-0.jsonl").read_text().splitlines()) == 2  # kept for send-runs
+
+
+def test_an_outage_is_still_waited_for(tmp_path):
+    server = Flaky()
+    server.down.set()
+    box = Outbox(tmp_path / "box", "rank-0", server, target="http://server", refused=lambda exc: False)
+    box.put({"n": 0})
+    assert box.drain(0.5) == 1 and box.refusal is None
+    server.down.clear()
+    assert box.drain(30) == 0
+
+
+def test_a_damaged_line_is_reported_as_file_and_line_and_the_good_lines_still_go(tmp_path, caplog):
+    folder = tmp_path / "box"
+    folder.mkdir()
+    (folder / "rank-0.jsonl").write_text('{"n": 0}\n{"n": 1, "trunc\n{"n": 2}\n')
+    server = Flaky()
+    assert replay(folder / "rank-0.jsonl", server) == 2 and server.got == [0, 2]
+    assert f"{folder / 'rank-0.jsonl'}:2: skipped" in caplog.text
+
+
+def test_the_checker_refuses_what_a_training_never_asks(tmp_path, caplog):
+    from pipeline.tracking import op_checker
+
+    mode_dir = tmp_path / "models/single"
+    (mode_dir / "logs").mkdir(parents=True)
+    (mode_dir / "logs/rank-0.log").write_text("log")
+    (tmp_path / "secret").write_text("ssh key")
+    run = "0123456789abcdef0123456789abcdef"
+    lines = [{"op": "artifact", "run": run, "path": str(mode_dir / "logs/rank-0.log")},
+             {"op": "artifact", "run": run, "path": str(tmp_path / "secret")},
+             {"op": "artifact", "run": run, "path": str(mode_dir / "../../secret")},
+             {"op": "model", "run": run, "file": "/etc/passwd"},
+             {"op": "shell", "run": run},
+             {"op": "end", "run": "../../x", "status": "FINISHED"},
+             {"op": "end", "run": run, "status": "RUNNING"},
+             {"op": "end", "run": run, "status": "FINISHED"}]
+    (mode_dir / "tracking-outbox").mkdir()
+    path = mode_dir / "tracking-outbox/rank-0.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    got = []
+    assert replay(path, got.append, op_checker(mode_dir)) == 2
+    assert [op["op"] for op in got] == ["artifact", "end"] and got[0]["path"].endswith("rank-0.log")
+    for number in range(2, 8):
+        assert f"{path}:{number}: skipped" in caplog.text
+    assert "is outside" in caplog.text and "unknown operation 'shell'" in caplog.text
+
+
+def test_refusals_and_outages_as_mlflow_raises_them(tmp_path):
+    """The real exceptions: a run the store does not hold, and a server that is not there."""
+    import errno
+
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, TEMPORARILY_UNAVAILABLE
+
+    from pipeline.tracking import refused
+    from tests.conftest import free_port
+
+    try:
+        MlflowClient(f"sqlite:///{tmp_path / 'm.db'}").get_run("0123456789abcdef0123456789abcdef")
+    except MlflowException as exc:
+        assert refused(exc)  # no such run: asking again will not create it
+    try:
+        MlflowClient(f"http://127.0.0.1:{free_port()}").get_run("0123456789abcdef0123456789abcdef")
+    except Exception as exc:
+        assert not refused(exc)  # nobody there: an outage
+    assert refused(OSError(errno.EROFS, "Read-only file system")) and refused(OSError(errno.EDQUOT, "quota"))
+    assert not refused(ConnectionResetError()) and not refused(MlflowException("x", error_code=TEMPORARILY_UNAVAILABLE))
+    assert refused(MlflowException("x", error_code=PERMISSION_DENIED))

@@ -149,14 +149,16 @@ def test_a_server_that_never_comes_back_fails_the_stage_clearly_and_send_runs_co
     store = MlflowClient(f"sqlite:///{tmp_path / 'server/server.db'}")  # the server's own file, read while it is down
     assert store.get_run(parent).info.status == "RUNNING"
 
-    still_down = run(["mnist-pipeline", "send-runs", "--mode", "single"], project, check=False, **project_env(project))
+    # Sent where the user's settings say now (the same server here), never where a file says.
+    env = project_env(project, MLFLOW_TRACKING_URI=server.uri)
+    still_down = run(["mnist-pipeline", "send-runs", "--mode", "single"], project, check=False, **env)
     assert still_down.returncode == 1 and "does not answer" in still_down.stderr
     server.start()
-    sent = run(["mnist-pipeline", "send-runs", "--mode", "single"], project, **project_env(project))
+    sent = run(["mnist-pipeline", "send-runs", "--mode", "single"], project, **env)
     assert "kept tracking calls; its runs are complete" in sent.stdout
     try:
         assert_runs_complete(project, server.uri)
     finally:
         server.kill()
-    again = run(["mnist-pipeline", "send-runs", "--mode", "single"], project, **project_env(project))
+    again = run(["mnist-pipeline", "send-runs", "--mode", "single"], project, **env)
     assert "nothing kept" in again.stdout

@@ -1,0 +1,117 @@
+"""What the pipeline trusts, and what it sends: params.yaml's text never reaches a shell, an outbox
+line cannot upload any file or pick the destination, credentials in a tracking URI are never
+printed or written down, a replay never reopens a run, and MLflow's telemetry is off unless asked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import yaml
+from mlflow import MlflowClient
+
+from tests.conftest import free_port, make_project, project_env, run, subprocess_env
+
+RUN = "0123456789abcdef0123456789abcdef"
+
+
+def test_a_mode_in_params_never_reaches_a_shell(tmp_path):
+    project = make_project(tmp_path / "proj")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"]["modes"] = ["single; touch PWNED"]
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    for dep in ("checks/comm.json", "data/prepared/stats.json"):  # what DVC wants there before it runs the stage
+        (project / dep).parent.mkdir(parents=True, exist_ok=True)
+        (project / dep).write_text("{}\n")
+    result = run(["dvc", "repro", "--single-item", "train@single; touch PWNED"], project, check=False,
+                 **project_env(project))
+    assert not (project / "PWNED").exists()
+    assert result.returncode != 0 and "'single; touch PWNED' is not one of" in result.stdout + result.stderr
+
+
+def test_telemetry_is_off_unless_the_user_turns_it_on():
+    check = ("import {first}, mlflow; from mlflow.telemetry.utils import is_telemetry_disabled; "
+             "print(is_telemetry_disabled())")
+    # Without the CI markers MLflow itself reads as "don't send" (CI, PYTEST_CURRENT_TEST, ...).
+    env = {key: value for key, value in subprocess_env().items()
+           if key not in ("CI", "PYTEST_CURRENT_TEST", "GITHUB_ACTIONS", "MLFLOW_DISABLE_TELEMETRY", "DO_NOT_TRACK")}
+
+    def disabled(first: str, **extra: str) -> str:
+        return subprocess.run([sys.executable, "-c", check.format(first=first)], env={**env, **extra},
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    assert disabled("json") == "False"  # MLflow alone would send
+    assert disabled("pipeline.tracking") == "True"
+    assert disabled("pipeline.tracking", MLFLOW_DISABLE_TELEMETRY="false") == "False"  # the user's choice wins
+
+
+def test_credentials_in_a_tracking_uri_are_never_printed_or_written(tmp_path):
+    from pipeline.parallel import Rank
+    from pipeline.tracking import _outbox, shown
+
+    assert shown("http://alice:s3cret@tracking:5000/x") == "http://alice:***@tracking:5000/x"
+    assert shown("http://tracking:5000") == "http://tracking:5000"
+    uri = f"http://alice:s3cret@127.0.0.1:{free_port()}"
+    project = make_project(tmp_path / "proj")
+    result = run(["mnist-pipeline", "train", "--mode", "single"], project, check=False,
+                 **project_env(project, MLFLOW_TRACKING_URI=uri))
+    assert result.returncode == 1 and "alice:***@127.0.0.1" in result.stderr, result.stderr
+    assert "s3cret" not in result.stdout + result.stderr
+    box = _outbox(tmp_path / "models/single/tracking-outbox", Rank(), uri)
+    box.put({"op": "end", "run": RUN, "status": "FINISHED"})
+    box.close()
+    for path in (tmp_path / "models").rglob("*"):
+        assert path.is_dir() or "s3cret" not in path.read_text(), path
+
+
+def kept_outbox(project, lines: list[dict]):
+    folder = project / "models/single/tracking-outbox"
+    folder.mkdir(parents=True)
+    (folder / "rank-0.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # Where the file says to send: never followed.
+    (folder / "rank-0.target").write_text(f"http://127.0.0.1:{free_port()}\n")
+    return folder
+
+
+def test_send_runs_sends_to_the_current_store_and_says_so_when_the_runs_are_not_there(tmp_path):
+    project = make_project(tmp_path / "proj")
+    store = f"sqlite:///{tmp_path / 'current.db'}"
+    client = MlflowClient(store)
+    experiment = client.create_experiment("e")
+    run_id = client.create_run(experiment).info.run_id
+    folder = kept_outbox(project, [{"op": "metrics", "run": run_id, "points": [["m", 1.0, 1, 0]]},
+                                   {"op": "end", "run": run_id, "status": "FINISHED"}])
+    sent = run(["mnist-pipeline", "send-runs", "--mode", "single", "--to", store], project, **project_env(project))
+    assert "sent 2 kept tracking calls" in sent.stdout and not folder.exists()
+    assert client.get_run(run_id).info.status == "FINISHED" and client.get_run(run_id).data.metrics == {"m": 1.0}
+
+    kept_outbox(project, [{"op": "end", "run": RUN, "status": "FINISHED"}])  # a run of another store
+    env = project_env(project, MLFLOW_TRACKING_URI=store)
+    for _ in range(2):  # the same clear message each time, never a traceback
+        result = run(["mnist-pipeline", "send-runs", "--mode", "single"], project, check=False, **env)
+        assert result.returncode == 1 and "its runs are not in the tracking store" in result.stderr, result.stderr
+        assert "--discard" in result.stderr and "Traceback" not in result.stderr
+    dropped = run(["mnist-pipeline", "send-runs", "--mode", "single", "--discard"], project, **env)
+    assert "dropped 1 kept tracking calls" in dropped.stdout
+    assert not (project / "models/single/tracking-outbox").exists()
+
+
+def test_replaying_a_model_never_reopens_its_run(tmp_path, monkeypatch):
+    import torch
+
+    from pipeline.atomic import save_torch
+    from pipeline.model import build_model
+    from pipeline.tracking import _deliver
+
+    monkeypatch.chdir(tmp_path)
+    store = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("e", artifact_location=(tmp_path / "a").as_uri())).info.run_id
+    client.set_terminated(run_id, "FAILED")
+    save_torch(tmp_path / "model.pt", {"state_dict": build_model("small").state_dict(), "model": "small"})
+    op = {"op": "model", "run": run_id, "file": str(tmp_path / "model.pt"), "mode": "single",
+          "example": torch.zeros(2, 1, 28, 28).tolist(), "registered": None}
+    _deliver(client, store, op)
+    assert client.get_run(run_id).info.status == "FAILED"  # as the training ended it
+    assert [m.name for m in client.search_logged_models(experiment_ids=[client.get_run(run_id).info.experiment_id])]
