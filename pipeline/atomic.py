@@ -127,6 +127,19 @@ def write_json(path: str | Path, data: Any) -> None:
         tmp.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
+def read_json(path: str | Path, fix: str) -> Any:
+    """What write_json wrote, read back; a damaged file is an error naming it, where it breaks,
+    and `fix` (what to do)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except UnicodeDecodeError as exc:
+        raise PipelineError(f"{path}: not a text file ({exc.reason}); {fix}") from None
+    except json.JSONDecodeError as exc:
+        raise PipelineError(f"{path}: damaged, not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno}); "
+                            f"{fix}") from None
+
+
 def write_text(path: str | Path, text: str) -> None:
     with atomic_path(path) as tmp:
         tmp.write_text(text)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.atomic import atomic_dir
+from pipeline.atomic import atomic_dir, read_json
 from pipeline.config import DataConfig
 from pipeline.errors import DataError
 from pipeline.mnist import NUM_CLASSES, IdxFile, Split
@@ -94,7 +94,7 @@ def load_stats(data_dir: Path) -> dict:
     path = Path(data_dir) / STATS_FILE
     if not path.is_file():
         raise DataError(f"{path}: missing; run `mnist-pipeline prepare` (or `dvc repro prepare`) first")
-    return json.loads(path.read_text())
+    return read_json(path, "run `mnist-pipeline prepare` (or `dvc repro prepare`) again")
 
 
 def load_prepared(data_dir: Path, names: tuple[str, ...] = SPLITS) -> Prepared:

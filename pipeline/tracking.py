@@ -1,4 +1,5 @@
-"""Everything MLflow, in one module: no other module imports mlflow.
+"""Everything MLflow, in one module: no other module imports mlflow (but the logged model's own
+code, pipeline/mlflow_model.py, which MLflow runs when it loads the model).
 
 One parent run per mode per training (run name = the mode), and one child run per rank
 (`<mode>/rank-<r>`), every rank logging its own. Rank 0 makes the parent and broadcasts its id.
@@ -45,6 +46,7 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
 # MLflow 3 reports usage to its makers unless told not to. A training pipeline sends nothing its
 # user did not ask for (air-gapped clusters, privacy rules): off, unless the user sets it to false.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per download, in a log
 DEFAULT_DB = "mlflow.db"
 DEFAULT_ARTIFACTS = "mlartifacts"
 PARENT_TAG = "mlflow.parentRunId"
@@ -315,13 +317,6 @@ def _dataset_inputs(data_dir: Path, splits: Iterable[str]) -> list:
     return inputs
 
 
-class _KnownPickleWarning(logging.Filter):
-    """mlflow.pytorch warns on every pickled model; the README says once why this project pickles."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Saving pytorch model by Pickle")
-
-
 @dataclass
 class ModeRun:
     """One training's runs, seen from one rank: the parent (logged by rank 0) and this rank's child.
@@ -474,48 +469,68 @@ def _deliver(client, uri: str, op: dict) -> None:
 
 
 def _log_model(client, uri: str, op: dict) -> None:
-    """The model a mode saved, as an MLflow model on its parent run (and, opted in, registered)."""
+    """The model a mode saved, as an MLflow model on its parent run (and, opted in, registered):
+    models-from-code (pipeline/mlflow_model.py) with the weights file beside it, so loading it
+    never unpickles anything from the artifact store."""
     import mlflow
     import torch
-    from mlflow.models import infer_signature
+    from mlflow.models import Model, infer_signature
 
-    from pipeline.model import build_model
+    from pipeline import mlflow_model
 
     path = Path(op["file"])
     if not path.is_file():
         log.warning("%s: gone, so its MLflow model is not logged", path)
         return
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    model = build_model(saved["model"])
-    model.load_state_dict(saved["state_dict"])
-    model.eval()
     example = torch.tensor(op["example"], dtype=torch.float32)
     with torch.no_grad():
-        output = model(example).numpy()
-    logging.getLogger("mlflow.pytorch").addFilter(_KnownPickleWarning())
+        output = mlflow_model.build_from_weights(str(path))(example).numpy()
+    example = example.numpy()
     mlflow.set_tracking_uri(uri)
-    # The run's experiment, and its id, not mlflow.start_run(run_id=...): that would set the run
+    # Into the run's experiment, by run id: mlflow.start_run(run_id=...) would set the run
     # RUNNING, then FINISHED on the way out, whatever status the training ended it with.
     mlflow.set_experiment(experiment_id=client.get_run(op["run"]).info.experiment_id)
     registered = op.get("registered")
-    info = mlflow.pytorch.log_model(
-        model,
-        run_id=op["run"],
+    code = mlflow_model.__file__
+    info = Model.log(
+        None,  # artifact_path, which MLflow 3 replaced by name
         name="model",
-        input_example=example.numpy(),
-        signature=infer_signature(example.numpy(), output),
+        flavor=mlflow.pyfunc,
+        run_id=op["run"],
+        python_model=code,
+        artifacts={mlflow_model.WEIGHTS: str(path)},
+        input_example=example,
+        signature=infer_signature(example, output),
         # Pinned, not inferred: inference reloads the model in a subprocess, which is slow.
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-        # A plain nn.Module back from load_model, for any batch size; the torch.export
-        # format would fix the batch to the example's and cannot be put in eval mode.
-        serialization_format="pickle",
+        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
         registered_model_name=registered,
+        flavor_name=mlflow.pyfunc._get_pyfunc_model_flavor_name(code),
     )
     if registered:  # the mode names its version: models:/<name>@<mode> is what that mode trained
         version = str(info.registered_model_version)
         client.set_registered_model_alias(registered, op["mode"], version)
         for key, value in {"mode": op["mode"], "run_id": op["run"], **git_facts()}.items():
             client.set_model_version_tag(registered, version, key, value)
+
+
+def load_model(model_uri: str):
+    """The network a mode logged (`runs:/ID/model`, `models:/NAME@ddp`), built by this package's
+    code from the logged weights alone: nothing from the artifact store is run or unpickled, so
+    whoever can write to the store cannot run code on whoever loads the model."""
+    import tempfile
+
+    import mlflow
+    import yaml
+
+    from pipeline.mlflow_model import WEIGHTS, build_from_weights
+
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=tmp))
+        flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]
+        weights = (local / flavor["artifacts"][WEIGHTS]["path"]).resolve()
+        if not weights.is_relative_to(local.resolve()):
+            raise PipelineError(f"{model_uri}: its MLmodel points outside the model ({weights}); not loaded")
+        return build_from_weights(str(weights))
 
 
 OPS = ("metrics", "artifact", "model", "end")

@@ -16,7 +16,8 @@ DEBUG_ENV = "MNIST_PIPELINE_DEBUG"  # =1: every error also shows its traceback
 # Sub-command -> its module, imported only when that command runs: compare and send-runs need
 # neither torch nor the others' imports, and every stage is a process of its own.
 COMMANDS = {"prepare": "stages.prepare", "commcheck": "stages.commcheck", "train": "stages.train",
-            "evaluate": "stages.evaluate", "compare": "stages.compare", "send-runs": "stages.send_runs"}
+            "evaluate": "stages.evaluate", "compare": "stages.compare", "send-runs": "stages.send_runs",
+            "rendezvous-check": "stages.rendezvous_check"}
 
 
 class PipelineGroup(click.Group):

@@ -1,9 +1,10 @@
 """What every stage shares: the params option and where each mode's outputs live."""
 
-import json
 from pathlib import Path
 
 import click
+
+from pipeline.atomic import read_json
 
 params_option = click.option(
     "--params",
@@ -27,4 +28,7 @@ def run_ids_file(mode: str) -> Path:
 def read_run_ids(mode: str) -> dict:
     """{} when the mode was trained with tracking off (or before tracking existed)."""
     path = run_ids_file(mode)
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    return read_json(path, f"it names the MLflow runs of the {mode} training: train that mode again, or delete "
+                           "the file to go on without logging to those runs")

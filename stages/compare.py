@@ -1,12 +1,11 @@
 """compare: every mode's train and eval metrics -> reports/comparison.md and its plots."""
 
-import json
 from pathlib import Path
 
 import click
 
 from pipeline import tracking
-from pipeline.atomic import atomic_dir, check_replaceable
+from pipeline.atomic import atomic_dir, check_replaceable, read_json
 from pipeline.config import load_config
 from pipeline.errors import PipelineError
 from pipeline.report import ModeResult, comparison_rows, markdown, read_curves, throughput_png, val_loss_png
@@ -18,7 +17,7 @@ REPORT_FILES = ("comparison.md", "throughput.png", "val_loss.png")
 def read_json(path: Path) -> dict:
     if not path.is_file():
         raise PipelineError(f"{path}: missing; run the train and evaluate stages first (dvc repro)")
-    return json.loads(path.read_text())
+    return read_json(path, "run the train and evaluate stages again (dvc repro)")
 
 
 def mode_result(mode: str) -> ModeResult:

@@ -59,7 +59,12 @@ def test_the_trainjob_runs_torchrun_on_the_runtime_it_names_with_what_nccl_and_o
     docs = manifests()
     job, runtime = docs["TrainJob"], yaml.safe_load((REFERENCE / "torch_distributed.yaml").read_text())
     assert job["spec"]["runtimeRef"]["name"] == runtime["metadata"]["name"] == "torch-distributed"
-    assert job["spec"]["trainer"]["command"][0] == "torchrun"  # it reads the PET_* variables Trainer injects
+    shell, flags, script = job["spec"]["trainer"]["command"]
+    assert (shell, flags) == ("sh", "-ec")
+    # torchrun, as the last command of the script (it reads the PET_* variables Trainer injects),
+    # after the rendezvous check (tests/test_rendezvous.py runs both).
+    *checks, last = script.strip().splitlines()
+    assert last.startswith("exec torchrun ") and any("rendezvous-check" in line for line in checks)
     (patched,) = job["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
     runtime_jobs = [j["name"] for j in runtime["spec"]["template"]["spec"]["replicatedJobs"]]
     assert patched["name"] in runtime_jobs

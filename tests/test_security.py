@@ -5,6 +5,7 @@ printed or written down, a replay never reopens a run, and MLflow's telemetry is
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -115,3 +116,49 @@ def test_replaying_a_model_never_reopens_its_run(tmp_path, monkeypatch):
     _deliver(client, store, op)
     assert client.get_run(run_id).info.status == "FAILED"  # as the training ended it
     assert [m.name for m in client.search_logged_models(experiment_ids=[client.get_run(run_id).info.experiment_id])]
+
+
+class Payload:
+    """What an attacker who can write to the artifact store plants: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_loading_a_logged_model_never_unpickles_what_is_in_the_store(tmp_path, monkeypatch):
+    import mlflow
+    import torch
+
+    from pipeline.atomic import save_torch
+    from pipeline.model import build_model
+    from pipeline.tracking import _deliver, load_model
+
+    monkeypatch.chdir(tmp_path)
+    store = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(store)
+    run_id = client.create_run(client.create_experiment("e", artifact_location=(tmp_path / "a").as_uri())).info.run_id
+    trained = build_model("small")
+    save_torch(tmp_path / "model.pt", {"state_dict": trained.state_dict(), "model": "small"})
+    _deliver(client, store, {"op": "model", "run": run_id, "file": str(tmp_path / "model.pt"), "mode": "single",
+                             "example": torch.zeros(2, 1, 28, 28).tolist(), "registered": None})
+    mlflow.set_tracking_uri(store)
+    loaded = load_model(f"runs:/{run_id}/model")
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.state_dict().items())
+    assert mlflow.pyfunc.load_model(f"runs:/{run_id}/model").predict(torch.zeros(3, 1, 28, 28).numpy()).shape == (3, 10)
+
+    stored = list((tmp_path / "a").rglob("*.pt")) + list((tmp_path / "a").rglob("*.pth"))
+    assert stored  # every tensor file the model holds
+    marker = tmp_path / "PWNED"
+    for path in stored:
+        torch.save({"state_dict": Payload(marker), "model": "small"}, path)
+    for load in (load_model, mlflow.pyfunc.load_model):
+        try:
+            load(f"runs:/{run_id}/model")
+        except Exception as exc:
+            assert "Weights only load failed" in str(exc) or "weights_only" in str(exc), exc
+        else:
+            raise AssertionError(f"{load.__module__}.{load.__name__} loaded a planted pickle")
+        assert not marker.exists()

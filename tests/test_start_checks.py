@@ -211,3 +211,14 @@ def test_out_replaces_its_own_folder_and_an_empty_one(project, mnist_dir, tmp_pa
     for _ in range(2):  # the second time, the folder is the pipeline's own (marked)
         run(["mnist-pipeline", "prepare", "--out", str(target)], project, **env)
     assert (target / ".made-by-mnist-pipeline").is_file() and (target / "stats.json").is_file()
+
+
+def test_a_training_that_starts_afresh_drops_a_stale_outbox_instead_of_replaying_it(project):
+    out = project / "models/single"
+    (out / "unfinished.json").unlink(missing_ok=True)
+    (out / "tracking-outbox").mkdir(parents=True, exist_ok=True)
+    (out / "tracking-outbox/rank-0.jsonl").write_text(
+        '{"op":"end","run":"0123456789abcdef0123456789abcdef","status":"FINISHED"}\n')
+    result = train_cli(project, "single")
+    assert "single: dropped 1 tracking calls an earlier training kept in models/single/tracking-outbox" in result.stderr
+    assert not (out / "tracking-outbox").exists() and "tracking server unreachable" not in result.stderr

@@ -12,6 +12,7 @@ import yaml
 from mlflow import MlflowClient
 
 from pipeline.model import build_model
+from pipeline.tracking import load_model
 from tests.conftest import SMALL, free_port, make_project, project_env, run, subprocess_env
 
 PARENT_METRICS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
@@ -74,7 +75,7 @@ def test_ddp_four_ranks_against_a_real_server(tmp_path, mnist_dir, mlflow_server
     assert steps == [5, 10, 15, 20]
 
     mlflow.set_tracking_uri(mlflow_server)
-    logged = mlflow.pytorch.load_model(f"runs:/{parent.info.run_id}/model")
+    logged = load_model(f"runs:/{parent.info.run_id}/model")
     saved = torch.load(project / "models/ddp/model.pt", weights_only=True)
     local = build_model(saved["model"])
     local.load_state_dict(saved["state_dict"])
@@ -186,7 +187,7 @@ def test_an_opt_in_registry_holds_each_modes_model_under_its_alias(tmp_path, mni
         ids = json.loads((project / "models" / mode / "mlflow_run.json").read_text())
         assert version.run_id == ids["parent"] and version.tags["mode"] == mode
         mlflow.set_tracking_uri(uri)
-        loaded = mlflow.pytorch.load_model(f"models:/mnist-cnn@{mode}")
+        loaded = load_model(f"models:/mnist-cnn@{mode}")
         saved = torch.load(project / "models" / mode / "model.pt", weights_only=True)["state_dict"]
         assert {k: v.tolist() for k, v in loaded.state_dict().items()} == {k: v.tolist() for k, v in saved.items()}
 

@@ -17,6 +17,8 @@ import mlflow
 import torch
 from mlflow import MlflowClient
 
+from pipeline.tracking import load_model
+
 from tests.conftest import free_port, project_env, run, subprocess_env
 from tests.test_tracking import project_with
 
@@ -95,7 +97,7 @@ def assert_runs_complete(project: Path, uri: str) -> None:
     assert {a.path for a in client.list_artifacts(child.info.run_id)} == {"rank-0.log"}
     assert {"checkpoint.pt", "single.csv", "params.yaml"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
     mlflow.set_tracking_uri(uri)
-    logged = mlflow.pytorch.load_model(f"runs:/{parent.info.run_id}/model")
+    logged = load_model(f"runs:/{parent.info.run_id}/model")
     saved = torch.load(project / "models/single/model.pt", weights_only=True)["state_dict"]
     assert all(torch.equal(logged.state_dict()[k], saved[k]) for k in saved)
 

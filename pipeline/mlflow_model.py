@@ -1,0 +1,47 @@
+"""The MLflow model each mode logs, as code (MLflow's models-from-code), not as a pickle.
+
+`mlflow.pyfunc.load_model` runs this file from the installed package's copy logged beside the
+weights and reads the weights with `torch.load(weights_only=True)`, which builds tensors and plain
+containers and refuses anything else: a pickled nn.Module, as `mlflow.pytorch` logs it, would run
+whatever code anyone who can write to the artifact store put into it. `pipeline.tracking.load_model`
+goes further and runs nothing from the store at all (the README says which to use when).
+
+Apart from pipeline.tracking, the only module that imports mlflow: MLflow executes it on load.
+"""
+
+from __future__ import annotations
+
+import mlflow
+from mlflow.pyfunc import PythonModel
+
+WEIGHTS = "weights"  # the artifact's name: the mode's model.pt
+
+
+def build_from_weights(path: str):
+    """The trained network from a model.pt, in eval mode: its architecture is named in the file
+    and built by this package's code, its tensors loaded without unpickling anything."""
+    import torch
+
+    from pipeline.model import build_model
+
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    model = build_model(saved["model"])
+    model.load_state_dict(saved["state_dict"])
+    return model.eval()
+
+
+class MnistClassifier(PythonModel):
+    """Logits for a float32 batch of normalised images, shape (N, 1, 28, 28)."""
+
+    def load_context(self, context) -> None:
+        self.model = build_from_weights(context.artifacts[WEIGHTS])
+
+    def predict(self, context, model_input, params=None):
+        import numpy as np
+        import torch
+
+        with torch.no_grad():
+            return self.model(torch.as_tensor(np.asarray(model_input, dtype=np.float32))).numpy()
+
+
+mlflow.models.set_model(MnistClassifier())

@@ -1,0 +1,100 @@
+"""The launchers we ship fail within seconds, saying why, where torchrun alone hangs: another
+program holding the rendezvous port (a client then waits inside TCPStore's handshake, with no
+timeout and deaf to Ctrl-C). Run as shipped: the TrainJob's script and the README's torchrun line."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, free_port, subprocess_env
+
+HELD = "accepts connections but does not answer as torchrun's store"
+
+
+@pytest.fixture
+def squatter():
+    """Another program on the rendezvous port: it takes connections and says nothing."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held, stop = [], threading.Event()
+
+    def serve():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1]
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+def timed(cmd, **env) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    result = subprocess.run(cmd, env=subprocess_env(**env), capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return result, time.monotonic() - started
+
+
+def trainjob_script() -> str:
+    job = [d for d in yaml.safe_load_all((ROOT / "deploy/kubernetes/trainjob.yaml").read_text())
+           if d["kind"] == "TrainJob"][0]
+    return job["spec"]["trainer"]["command"][2]
+
+
+@pytest.mark.parametrize("node_rank, message", [("1", HELD), ("0", "is taken (Address already in use)")])
+def test_the_trainjob_fails_in_seconds_on_a_held_rendezvous_port(squatter, node_rank, message):
+    result, took = timed(["sh", "-ec", trainjob_script()], PET_NODE_RANK=node_rank, PET_MASTER_ADDR="127.0.0.1",
+                         PET_MASTER_PORT=str(squatter), PET_NNODES="2", PET_NPROC_PER_NODE="1")
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert took < 30 and "torch.distributed.elastic" not in result.stderr  # torchrun never started
+
+
+def test_the_readmes_torchrun_line_fails_in_seconds_on_a_held_port(squatter):
+    block = re.search(r"```sh\n# on node-a.*?\n(mnist-pipeline rendezvous-check.*?)```", (ROOT / "README.md").read_text(),
+                      re.S)[1]
+    # node-b's form of it (as the comment says), against a rendezvous address another program holds
+    line = block.replace("10.0.0.1:29400", f"127.0.0.1:{squatter}").replace("--host", "--client")
+    line = line.replace("is_host=1", "is_host=0").replace("--local-addr 10.0.0.1", "--local-addr 127.0.0.1")
+    result, took = timed(["bash", "-c", line])
+    assert result.returncode != 0 and HELD in result.stderr and took < 30, result.stderr
+
+
+def test_the_check_lets_a_real_rendezvous_through_and_waits_for_a_late_host():
+    from torch.distributed import TCPStore
+
+    port = free_port()
+    late = threading.Timer(3, lambda: stores.append(TCPStore("127.0.0.1", port, is_master=True,
+                                                                  wait_for_workers=False)))
+    stores: list = []
+    late.start()  # the first node comes up after this one
+    result, took = timed(["mnist-pipeline", "rendezvous-check", "--endpoint", f"127.0.0.1:{port}", "--wait", "60"])
+    late.join()
+    assert result.returncode == 0 and took >= 3, result.stderr
+    result, _ = timed(["mnist-pipeline", "rendezvous-check", "--endpoint", f"127.0.0.1:{free_port()}", "--host"])
+    assert result.returncode == 0, result.stderr
+
+
+def test_ctrl_c_ends_the_check_at_once(squatter):
+    proc = subprocess.Popen(["mnist-pipeline", "rendezvous-check", "--endpoint", f"127.0.0.1:{squatter}"],
+                            env=subprocess_env(), stderr=subprocess.PIPE, text=True)
+    time.sleep(4)  # inside the wait for the store's answer
+    proc.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    proc.wait(timeout=10)
+    assert time.monotonic() - started < 3 and proc.returncode != 0
