@@ -636,7 +636,10 @@ def print_ui_link() -> None:
 def _ui_base(uri: str | None) -> str:
     """The UI of the server in MLFLOW_TRACKING_URI, or `make ui`'s for the default store."""
     uri = uri or tracking_uri()
-    return uri.rstrip("/") if uri.startswith(("http://", "https://")) else UI_DEFAULT
+    if not uri.startswith(("http://", "https://")):
+        return UI_DEFAULT
+    parts = urllib.parse.urlsplit(uri)  # a link to print: the browser asks for the account itself
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1])).rstrip("/")
 
 
 def ui_link(experiment_id: str, uri: str | None = None) -> str:
@@ -774,12 +777,14 @@ def log_to_mode_run(config: TrackingConfig, ids: dict, metrics: dict[str, float]
         return
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri())
-    client.log_batch(ids["parent"], metrics=_metric_batch(_numeric(metrics, step=0)))
-    if datasets is not None:
-        client.log_inputs(ids["parent"], datasets=_dataset_inputs(*datasets))
-    for path in artifacts:
-        client.log_artifact(ids["parent"], str(path), artifact_dir)
+    uri = tracking_uri()
+    client = MlflowClient(uri)
+    with store_errors(uri, f"logging to run {ids['parent']}"):
+        client.log_batch(ids["parent"], metrics=_metric_batch(_numeric(metrics, step=0)))
+        if datasets is not None:
+            client.log_inputs(ids["parent"], datasets=_dataset_inputs(*datasets))
+        for path in artifacts:
+            client.log_artifact(ids["parent"], str(path), artifact_dir)
 
 
 def log_compare_run(config: TrackingConfig, mode_ids: dict[str, dict], artifacts: Iterable[Path]) -> str | None:
@@ -789,18 +794,20 @@ def log_compare_run(config: TrackingConfig, mode_ids: dict[str, dict], artifacts
         return None
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri())
+    uri = tracking_uri()
+    client = MlflowClient(uri)
     experiment_id = next(iter(ids.values()))["experiment_id"]
     # The description (mlflow.note.content) is Markdown in the UI: one link per mode run.
     links = " | ".join(f"[{mode}](#/experiments/{v['experiment_id']}/runs/{v['parent']})" for mode, v in ids.items())
     tags = {f"run_id.{mode}": value["parent"] for mode, value in ids.items()}
     tags.update({"mlflow.note.content": f"Compares the mode runs: {links}", **git_facts(), **dvc_experiment_facts()})
-    run_id = client.create_run(experiment_id, run_name="compare", tags=tags).info.run_id
-    try:
-        for path in artifacts:
-            client.log_artifact(run_id, str(path))
-    except BaseException:
-        client.set_terminated(run_id, "FAILED")
-        raise
-    client.set_terminated(run_id, "FINISHED")
+    with store_errors(uri, "logging the compare run"):
+        run_id = client.create_run(experiment_id, run_name="compare", tags=tags).info.run_id
+        try:
+            for path in artifacts:
+                client.log_artifact(run_id, str(path))
+        except BaseException:
+            client.set_terminated(run_id, "FAILED")
+            raise
+        client.set_terminated(run_id, "FINISHED")
     return run_id

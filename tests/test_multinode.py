@@ -80,18 +80,31 @@ def postgres():
         shutil.rmtree(home, ignore_errors=True)
 
 
+# The server's account, as every rank gets it: from the environment, never inside the URI.
+CREDENTIALS = {"MLFLOW_TRACKING_USERNAME": "admin", "MLFLOW_TRACKING_PASSWORD": f"pw-{uuid.uuid4().hex}"}
+
+
 @pytest.fixture(scope="module")
 def tracking_server(hosts, postgres, tmp_path_factory):
-    """`mlflow server` on node-a, every node's ranks log to it: PostgreSQL for runs and metrics,
-    artifacts proxied through the server into its own folder."""
+    """`mlflow server` on node-a as the README starts it, every node's ranks log to it: PostgreSQL
+    for runs and metrics, artifacts proxied through the server into its own folder, MLflow's
+    basic-auth app, and reached by host name (which --allowed-hosts must name)."""
     node_a = hosts[0]
     home = tmp_path_factory.mktemp("mlflow-server")
+    (home / "basic_auth.ini").write_text(
+        "[mlflow]\ndefault_permission = READ\n"
+        f"database_uri = sqlite:///{home / 'basic_auth.db'}\nadmin_username = admin\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    server_env = subprocess_env(MLFLOW_AUTH_CONFIG_PATH=str(home / "basic_auth.ini"),
+                                MLFLOW_AUTH_ADMIN_PASSWORD=CREDENTIALS["MLFLOW_TRACKING_PASSWORD"],
+                                MLFLOW_FLASK_SERVER_SECRET_KEY=uuid.uuid4().hex)
     server = node_a.popen(
-        ["mlflow", "server", "--host", "0.0.0.0", "--port", str(SERVER_PORT), "--workers", "1",
+        ["mlflow", "server", "--app-name", "basic-auth", "--host", "0.0.0.0", "--port", str(SERVER_PORT),
+         "--allowed-hosts", f"{node_a.name}:{SERVER_PORT},{node_a.name}", "--workers", "1",
          "--backend-store-uri", f"postgresql+psycopg://postgres@/mlflow?host={postgres}",
          "--artifacts-destination", str(home / "artifacts")],
-        cwd=home, env=subprocess_env(), log=home / "server.log")
-    uri = f"http://{node_a.address}:{SERVER_PORT}"
+        cwd=home, env=server_env, log=home / "server.log")
+    uri = f"http://{node_a.name}:{SERVER_PORT}"
     try:
         wait_until(lambda: _answers(node_a, uri), "mlflow server on node-a", timeout=180, interval=2,
                    diagnose=lambda: (home / "server.log").read_text()[-3000:])
@@ -116,7 +129,7 @@ def server_runs(host, uri: str) -> list[dict]:
         "print(json.dumps([{'id': r.info.run_id, 'name': r.info.run_name, 'status': r.info.status,\n"
         "  'tags': r.data.tags, 'metrics': sorted(r.data.metrics),\n"
         "  'artifacts': [a.path for a in client.list_artifacts(r.info.run_id)]} for r in runs]))\n")
-    proc = host.run(["python", "-c", code], cwd=Path("/"), env=subprocess_env(), timeout=120)
+    proc = host.run(["python", "-c", code], cwd=Path("/"), env=subprocess_env(**CREDENTIALS), timeout=120)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -142,7 +155,7 @@ def train_on_two_hosts(hosts, dirs: list[Path], uri: str, logs: Path, **env: str
                 "--rdzv-conf", f"is_host={is_host}", "--local-addr", host.address, "--max-restarts", "1",
                 "-m", "stages", "train", "--mode", "ddp"]
         procs.append(host.popen(argv, cwd=folder, log=logs / f"{host.name}.log", env=subprocess_env(
-            **project_env(folder, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=uri, **env))))
+            **project_env(folder, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=uri, **CREDENTIALS, **env))))
     outputs = []
     for host, proc in zip(hosts, procs):
         try:
@@ -212,6 +225,20 @@ def test_a_crash_with_node_local_disks_resumes_to_the_uninterrupted_weights(host
     assert checkpoints == [rank0_dir(dirs)] or len(checkpoints) == 2  # rank 0 may move on a restart
 
 
+def test_the_server_refuses_a_client_without_the_account_before_training(hosts, tracking_server, small_project):
+    """Anyone who reaches the server must not log to it: without credentials, the training stops
+    before it starts, saying which variables to set."""
+    proc = hosts[0].run(["mnist-pipeline", "train", "--mode", "single"], cwd=small_project, timeout=300,
+                        env=subprocess_env(**project_env(small_project, MLFLOW_TRACKING_URI=tracking_server)))
+    assert proc.returncode == 1 and "refused this client (HTTP 401" in proc.stderr, proc.stderr[-3000:]
+    assert "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD" in proc.stderr and "Traceback" not in proc.stderr
+    wrong = {**CREDENTIALS, "MLFLOW_TRACKING_PASSWORD": "guess"}
+    proc = hosts[0].run(["mnist-pipeline", "train", "--mode", "single"], cwd=small_project, timeout=300,
+                        env=subprocess_env(**project_env(small_project, MLFLOW_TRACKING_URI=tracking_server, **wrong)))
+    assert proc.returncode == 1 and "refused this client (HTTP 401" in proc.stderr, proc.stderr[-3000:]
+    assert "guess" not in proc.stderr
+
+
 def test_a_store_on_a_nodes_disk_is_refused_before_training(hosts, small_project, tmp_path):
     dirs = node_dirs(small_project, tmp_path)
     job = uuid.uuid4().hex[:8]
@@ -243,8 +270,19 @@ def test_the_kubeflow_trainjob_command_under_the_environment_trainer_injects(hos
     trainer = job["spec"]["trainer"]
     # What Kubernetes resolves: a literal value, or the ConfigMap entry (here, the test's server).
     config_map = {"MLFLOW_TRACKING_URI": tracking_server}
-    manifest_env = {e["name"]: e["value"] if "value" in e else config_map[e["valueFrom"]["configMapKeyRef"]["key"]]
-                    for e in trainer["env"]}
+    secrets = {"mlflow-credentials": {"username": CREDENTIALS["MLFLOW_TRACKING_USERNAME"],
+                                      "password": CREDENTIALS["MLFLOW_TRACKING_PASSWORD"]}}
+
+    def resolve(entry: dict) -> str:
+        if "value" in entry:
+            return entry["value"]
+        if "configMapKeyRef" in entry["valueFrom"]:
+            return config_map[entry["valueFrom"]["configMapKeyRef"]["key"]]
+        ref = entry["valueFrom"]["secretKeyRef"]
+        return secrets[ref["name"]][ref["key"]]
+
+    manifest_env = {e["name"]: resolve(e) for e in trainer["env"]}
+    assert {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"} <= set(manifest_env)
     dirs = node_dirs(small_project, tmp_path)
     procs = []
     for node_rank, (host, folder) in enumerate(zip(hosts, dirs)):
@@ -348,7 +386,7 @@ def test_dvc_repro_submits_ddp_to_slurm_and_waits(hosts, slurm, tracking_server,
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "launcher": "slurm",
                                                                   "nodes": 2, "nproc": 1}})
     env = {**slurm, **project_env(project, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=tracking_server,
-                                  MNIST_SOURCE=str(mnist_dir))}
+                                  MNIST_SOURCE=str(mnist_dir), **CREDENTIALS)}
     proc = hosts[0].run(["dvc", "repro", "train@ddp"], cwd=project, env=env, timeout=TWO_NODE_TIMEOUT_S)
     logs = sorted((project / "models/ddp/logs").glob("slurm-*.out"))
     assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n" + "".join(p.read_text() for p in logs)
@@ -380,7 +418,7 @@ def test_an_interrupted_slurm_training_continues_on_the_next_repro(hosts, slurm,
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "launcher": "slurm",
                                                                   "nodes": 2, "nproc": 1}})
     env = {**slurm, **project_env(project, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=tracking_server,
-                                  MNIST_SOURCE=str(mnist_dir))}
+                                  MNIST_SOURCE=str(mnist_dir), **CREDENTIALS)}
     crashed = hosts[0].run(["dvc", "repro", "train@ddp"], cwd=project, timeout=TWO_NODE_TIMEOUT_S,
                            env={**env, "MNIST_PIPELINE_CRASH_AFTER_EPOCH": "1", "MAX_RESTARTS": "0"})
     assert crashed.returncode != 0 and "Slurm job" in crashed.stderr, crashed.stderr[-3000:]

@@ -49,10 +49,12 @@ def test_telemetry_is_off_unless_the_user_turns_it_on():
 
 def test_credentials_in_a_tracking_uri_are_never_printed_or_written(tmp_path):
     from pipeline.parallel import Rank
-    from pipeline.tracking import _outbox, shown
+    from pipeline.tracking import _outbox, shown, ui_link
 
     assert shown("http://alice:s3cret@tracking:5000/x") == "http://alice:***@tracking:5000/x"
     assert shown("http://tracking:5000") == "http://tracking:5000"
+    assert ui_link("7", "http://alice:s3cret@tracking:5000/") == \
+        "http://tracking:5000/#/experiments/7/runs?workflowType=machine_learning"
     uri = f"http://alice:s3cret@127.0.0.1:{free_port()}"
     project = make_project(tmp_path / "proj")
     result = run(["mnist-pipeline", "train", "--mode", "single"], project, check=False,

@@ -6,6 +6,8 @@ never deleting a folder the pipeline did not make."""
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
 import logging
 import sqlite3
 import subprocess
@@ -222,3 +224,56 @@ def test_a_training_that_starts_afresh_drops_a_stale_outbox_instead_of_replaying
     result = train_cli(project, "single")
     assert "single: dropped 1 tracking calls an earlier training kept in models/single/tracking-outbox" in result.stderr
     assert not (out / "tracking-outbox").exists() and "tracking server unreachable" not in result.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root to mount a read-only folder")
+def test_a_read_only_artifact_store_fails_the_stage_at_once_with_its_reason(project):
+    """A refusal is not an outage: no 120 s wait for a store that will never take the files."""
+    (project / "mlartifacts").mkdir(exist_ok=True)
+    result = subprocess.run(["unshare", "--mount", "sh", "-c",
+                             "mount -t tmpfs -o ro tmpfs mlartifacts && exec mnist-pipeline train --mode single"],
+                            cwd=project, env=subprocess_env(**project_env(project)), capture_output=True, text=True)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "refused this training's tracking" in result.stderr and "Read-only file system" in result.stderr
+    assert "send-runs --mode single" in result.stderr and "Traceback" not in result.stderr
+    assert "did not take this training's tracking within" not in result.stderr  # not waited for as an outage
+    assert (project / "models/single/model.pt").is_file()  # what was trained is kept
+
+
+@pytest.mark.parametrize("damage", ["store", "stats"])
+def test_a_damaged_store_or_data_file_is_one_line_naming_it_and_the_disk_is_kept(project, tmp_path, damage):
+    before = plant_previous_training(project, "single")
+    env = {}
+    if damage == "store":
+        (tmp_path / "mlflow.db").write_bytes(b"not a database, whatever its name says" * 100)
+        env["MLFLOW_TRACKING_URI"] = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        expected = f"{tmp_path / 'mlflow.db'} is not a usable SQLite database"
+    else:
+        shutil.copytree(project / "data/prepared", tmp_path / "prepared")
+        (tmp_path / "prepared/stats.json").write_text('{"splits": {"train": ')
+        env = {}
+        expected = f"{tmp_path / 'prepared/stats.json'}: damaged, not valid JSON"
+    args = ["--data-dir", str(tmp_path / "prepared")] if damage == "stats" else []
+    result = train_cli(project, "single", *args, check=False, **env)
+    assert_refused_and_untouched(project, "single", before, result, expected)
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_a_rendezvous_error_reaches_the_user_as_one_line_naming_the_rank():
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from stages.cli import library_failure
+
+    try:
+        TCPStore("127.0.0.1", free_port(), is_master=False, timeout=timedelta(seconds=1))
+    except Exception as exc:  # what torch.distributed raises when the rendezvous is not there
+        os.environ.update(RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+        try:
+            message = library_failure(exc)
+        finally:
+            for key in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+                os.environ.pop(key)
+    assert message.startswith("rank 1: torch.distributed could not reach the other ranks through 127.0.0.1:1")
+    assert "\n" not in message and "MNIST_PIPELINE_DEBUG=1" in message
