@@ -14,7 +14,7 @@ from stages.common import params_option, read_run_ids
 REPORT_FILES = ("comparison.md", "throughput.png", "val_loss.png")
 
 
-def read_json(path: Path) -> dict:
+def read_metrics(path: Path) -> dict:
     if not path.is_file():
         raise PipelineError(f"{path}: missing; run the train and evaluate stages first (dvc repro)")
     return read_json(path, "run the train and evaluate stages again (dvc repro)")
@@ -24,8 +24,8 @@ def mode_result(mode: str) -> ModeResult:
     curves = Path("plots/train") / f"{mode}.csv"
     if not curves.is_file():
         raise PipelineError(f"{curves}: missing; run the train stage for {mode} first (dvc repro)")
-    return ModeResult(mode, read_json(Path("metrics/train") / f"{mode}.json"),
-                      read_json(Path("metrics/eval") / f"{mode}.json"), read_curves(curves))
+    return ModeResult(mode, read_metrics(Path("metrics/train") / f"{mode}.json"),
+                      read_metrics(Path("metrics/eval") / f"{mode}.json"), read_curves(curves))
 
 
 @click.command()

@@ -151,19 +151,20 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def mlflow_server(tmp_path_factory):
-    """A real `mlflow server` on 127.0.0.1, with its own SQLite store and artifact folder."""
+def start_mlflow_server(home: Path, *args: str):
+    """A real `mlflow server` on 127.0.0.1 with its own SQLite store and artifact folder in `home`
+    (and `args` on its command line): its process, its URI and its log, once it answers (if only
+    to refuse)."""
     import time
+    import urllib.error
     import urllib.request
 
-    home = tmp_path_factory.mktemp("mlflow-server")
     port = free_port()
-    log = open(home / "server.log", "w")
+    log = open(home / "server.log", "w")  # noqa: SIM115 (lives with the server)
     proc = subprocess.Popen(
         ["mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{home / 'server.db'}",
-         "--artifacts-destination", str(home / "artifacts")],
+         "--artifacts-destination", str(home / "artifacts"), *args],
         cwd=home, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
     )
     uri = f"http://127.0.0.1:{port}"
@@ -172,15 +173,28 @@ def mlflow_server(tmp_path_factory):
         try:
             urllib.request.urlopen(f"{uri}/health", timeout=2)
             break
+        except urllib.error.HTTPError:  # an answer all the same
+            break
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 pytest.fail(f"mlflow server did not start:\n{(home / 'server.log').read_text()}")
             time.sleep(0.5)
-    yield uri
+    return proc, uri, log
+
+
+def stop_mlflow_server(proc, log) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=20)
     except subprocess.TimeoutExpired:
         proc.kill()
     log.close()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1, with its own SQLite store and artifact folder."""
+    proc, uri, log = start_mlflow_server(tmp_path_factory.mktemp("mlflow-server"))
+    yield uri
+    stop_mlflow_server(proc, log)

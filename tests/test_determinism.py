@@ -4,9 +4,6 @@ import os
 import subprocess
 import sys
 
-import pytest
-import torch
-
 from tests.conftest import ROOT
 
 

@@ -8,7 +8,6 @@ import ast
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 from tests.conftest import (
     ROOT,

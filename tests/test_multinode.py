@@ -25,7 +25,6 @@ from tests.conftest import (
     max_abs_diff,
     project_env,
     relative_difference,
-    run,
     subprocess_env,
     train_cli,
 )

@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-import yaml
 from mlflow import MlflowClient
 
 from tests.conftest import SMALL, make_project, project_env, run

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (SMALL, VENV_BIN, free_port, idx_bytes, make_project, project_env, run, subprocess_env,
-                            train_cli, write_tiny_mnist)
+from tests.conftest import (SMALL, VENV_BIN, free_port, idx_bytes, make_project, project_env, run,
+                            start_mlflow_server, stop_mlflow_server, subprocess_env, train_cli, write_tiny_mnist)
 
 
 @pytest.fixture(scope="module")
@@ -101,31 +101,9 @@ def test_a_missing_sbatch_is_found_before_the_disk_changes(project):
 @pytest.fixture(scope="module")
 def picky_server(tmp_path_factory):
     """A real `mlflow server` that only answers clients asking for another host name."""
-    import urllib.request
-
-    home = tmp_path_factory.mktemp("picky")
-    port = free_port()
-    log = open(home / "server.log", "w")
-    proc = subprocess.Popen(
-        ["mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--allowed-hosts", "tracking.example:5000",
-         "--backend-store-uri", f"sqlite:///{home / 'server.db'}", "--artifacts-destination", str(home / "a")],
-        cwd=home, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT)
-    uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            urllib.request.urlopen(f"{uri}/health", timeout=2)
-            break
-        except OSError as exc:
-            if getattr(exc, "code", None):  # it answers, if only to refuse
-                break
-            assert proc.poll() is None and time.monotonic() < deadline, (home / "server.log").read_text()
-            time.sleep(0.5)
+    proc, uri, log = start_mlflow_server(tmp_path_factory.mktemp("picky"), "--allowed-hosts", "tracking.example:5000")
     yield uri
-    proc.terminate()
-    proc.wait(timeout=30)
-    log.close()
+    stop_mlflow_server(proc, log)
 
 
 def test_a_server_that_refuses_this_host_name_is_found_before_the_disk_changes(project, picky_server):
