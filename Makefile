@@ -58,7 +58,8 @@ gpu-check: install
 # It prints the link that opens the experiment on its training runs, not on MLflow's GenAI pages.
 ui: install
 	@$(BIN)/python -c "from pipeline.tracking import print_ui_link; print_ui_link()"
-	mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
+	MLFLOW_DISABLE_TELEMETRY=$${MLFLOW_DISABLE_TELEMETRY:-true} \
+	  mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
 
 clean:
 	rm -rf data/prepared data/raw models metrics plots reports checks

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -130,23 +131,31 @@ class Outbox:
                 self._cond.notify_all()
 
 
+class DeliveryFailed(Exception):
+    """A kept call that could not be sent: where it is (file:line) and why (`cause`)."""
+
+    def __init__(self, where: str, cause: Exception):
+        super().__init__(f"{where}: {cause}")
+        self.where, self.cause = where, cause
+
+
 def read(path: Path, sent_path: Path, check: Callable[[dict], None] | None = None) -> tuple[list[dict | None], int]:
     """The calls kept in `path`, one per line (None for a line that is damaged or fails `check`,
     each reported as file:line), and how many of them were sent already."""
     try:
         sent = int(sent_path.read_text()) if sent_path.is_file() else 0
-    except ValueError:
+    except (ValueError, UnicodeDecodeError):
         log.warning("%s: damaged; sending every call in %s again (each is sent once)", sent_path, path.name)
         sent = 0
     ops: list[dict | None] = []
-    for number, line in enumerate(path.read_text().splitlines() if path.is_file() else [], start=1):
+    for number, raw in enumerate(path.read_bytes().splitlines() if path.is_file() else [], start=1):
         try:
-            op = json.loads(line)
+            op = json.loads(raw.decode())
             if not isinstance(op, dict):
                 raise ValueError("not a JSON object")
             if check is not None:
                 check(op)
-        except ValueError as exc:  # json's errors are ValueErrors too
+        except ValueError as exc:  # json's and the decoder's errors are ValueErrors too
             if number > sent:
                 log.warning("%s:%d: skipped, not a tracking call this training made (%s)", path, number, _short(exc))
             op = None
@@ -162,24 +171,29 @@ def replay(path: Path, deliver: Callable[[dict], Any], check: Callable[[dict], N
     delivered = 0
     for index in range(sent, len(ops)):
         if ops[index] is not None:
-            deliver(ops[index])
+            try:
+                deliver(ops[index])
+            except Exception as exc:
+                raise DeliveryFailed(f"{path}:{index + 1}", exc) from exc
             delivered += 1
         write_text(sent_path, f"{index + 1}\n")
     _remove(path)
     return delivered
 
 
-def discard(folder: Path) -> int:
-    """Remove an outbox folder; how many unsent calls it held."""
+def discard(folder: Path, name: str = "*") -> int:
+    """Remove an outbox (every rank's, or rank `name`'s), without reading its calls as such:
+    however damaged, it goes. Returns how many lines it held unsent."""
     left = 0
-    for path in folder.glob("*.jsonl") if folder.is_dir() else []:
-        ops, sent = read(path, path.with_suffix(".sent"))
-        left += max(len(ops) - sent, 0)
+    for path in folder.glob(f"{name}.jsonl") if folder.is_dir() else []:
+        try:
+            sent = int(path.with_suffix(".sent").read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            sent = 0
+        left += max(path.read_bytes().count(b"\n") - sent, 0)
         _remove(path)
-    for stray in folder.glob("*") if folder.is_dir() else []:
-        stray.unlink(missing_ok=True)
-    if folder.is_dir():
-        folder.rmdir()
+    if name == "*" and folder.is_dir():
+        shutil.rmtree(folder)
     return left
 
 

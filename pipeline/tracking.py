@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -63,8 +64,16 @@ def project_root() -> Path:
 
 
 def tracking_uri() -> str:
-    """MLFLOW_TRACKING_URI, else the project's own SQLite file."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / DEFAULT_DB}"
+    """MLFLOW_TRACKING_URI, else the project's own SQLite file. One with a password in it is
+    refused: MLflow and the HTTP client repeat the URI in their errors and logs, which end up in
+    rank logs and artifacts."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / DEFAULT_DB}"
+    if shown(uri) != uri:
+        raise PipelineError(
+            f"MLFLOW_TRACKING_URI={shown(uri)} holds a password, which MLflow would repeat in its messages and logs: "
+            f"set MLFLOW_TRACKING_URI={_USERINFO.sub('', uri)} and the account in MLFLOW_TRACKING_USERNAME and "
+            "MLFLOW_TRACKING_PASSWORD")
+    return uri
 
 
 def dvc_experiment_facts() -> dict[str, str]:
@@ -75,14 +84,15 @@ def dvc_experiment_facts() -> dict[str, str]:
     return {key: value for key, value in facts.items() if value}
 
 
-def shown(uri: str) -> str:
-    """`uri` as it may be printed or written down: a password in it (http://user:secret@host)
-    becomes ***. MLflow takes credentials from MLFLOW_TRACKING_USERNAME/PASSWORD instead."""
-    parts = urllib.parse.urlsplit(uri)
-    if parts.password is None:
-        return uri
-    host = parts.netloc.rsplit("@", 1)[1]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+_PASSWORD = re.compile(r"(?<=://)([^:/@\s]*):[^@\s]*@")  # user:password@ after a scheme, whatever the password holds
+_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+
+
+def shown(text: str) -> str:
+    """`text` (a URI, or a message that may quote one) as it may be printed or written down: a
+    password in a URI (http://user:secret@host) becomes ***. MLflow takes credentials from
+    MLFLOW_TRACKING_USERNAME/PASSWORD instead."""
+    return _PASSWORD.sub(r"\1:***@", text)
 
 
 def _http_status(exc: BaseException) -> int | None:
@@ -95,25 +105,31 @@ def _http_status(exc: BaseException) -> int | None:
     return None
 
 
+REFUSALS = ("Permission denied", "Read-only file system", "readonly database", "Disk quota exceeded",
+            "No space left on device", "database or disk is full")
+
+
 def refused(exc: BaseException) -> bool:
-    """Whether the store said no (a 4xx answer, no permission, a read-only or full artifact
-    store, no such run), as opposed to being away (no connection, a 5xx, a timeout): waiting
-    on a refusal would never end it."""
+    """Whether the store said no, as opposed to being away: waiting on a refusal would never end
+    it. Away: no connection, a timeout, a 5xx or 408/429 answer. No: any other answer (a 4xx, no
+    such run), a read-only, full or forbidden store (whatever status a server wraps that in),
+    and any other error (a call the store cannot take as it is)."""
+    if any(reason in str(exc) for reason in REFUSALS):
+        return True
     status = _http_status(exc)
     if status is not None:
-        return 400 <= status < 500 and status not in (408, 429)
-    # requests' errors are OSErrors too: without a status they are a connection that failed.
-    if isinstance(exc, (ConnectionError, TimeoutError)) or type(exc).__module__.split(".")[0] in ("requests", "urllib3"):
+        return status < 500 and status not in (408, 429)
+    # requests' errors are OSErrors too: without a status they are a connection that failed; an
+    # MlflowException without one is a failed request or an internal error of the server.
+    module = type(exc).__module__.split(".")[0]
+    if isinstance(exc, (ConnectionError, TimeoutError)) or module in ("requests", "urllib3", "mlflow"):
         return False
-    if isinstance(exc, OSError):  # local artifact folder: EACCES, EROFS, ENOSPC, EDQUOT
-        return True
-    text = str(exc)
-    return "Permission denied" in text or "Read-only file system" in text or "Disk quota exceeded" in text
+    return True  # a local artifact folder's OSError, or a call that cannot be taken (KeyError, ValueError...)
 
 
 def _reason(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return text[:300]
+    return shown(text)[:300]
 
 
 def _schema_advice(uri: str, text: str) -> str:
@@ -150,11 +166,14 @@ def store_errors(uri: str, doing: str = "opening it") -> Iterator[None]:
     except PipelineError:
         raise
     except Exception as exc:
-        if not (from_tracking(exc) or isinstance(exc, OSError)):  # OSError: a local artifact folder
+        if not (from_tracking(exc) or isinstance(exc, (OSError, ImportError))):  # OSError: a local artifact folder
             raise
         text = _reason(exc)
         status = _http_status(exc)
-        if "out-of-date database schema" in text:
+        if isinstance(exc, ImportError):
+            message = (f"tracking store {shown(uri)}: this environment lacks the Python package its database needs "
+                       f"({text}); install it (PostgreSQL: psycopg[binary], MySQL: mysqlclient), or use another store")
+        elif "out-of-date database schema" in text:
             message = _schema_advice(uri, text)
         elif status == 403 and "Invalid Host header" in text:
             message = (f"tracking server {shown(uri)} refuses the host name this client uses ({text}); start the "
@@ -194,8 +213,8 @@ def check_store(uri: str) -> None:
     path = _sqlite_path(uri)
     if path is None:
         return  # another store MLflow knows (a database URL): MLflow itself reports its errors
-    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK):
-        raise PipelineError(f"tracking store {uri}: cannot write in {path.parent}; fix MLFLOW_TRACKING_URI")
+    if not path.parent.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise PipelineError(f"tracking store {uri}: cannot write {path}; fix its permissions or MLFLOW_TRACKING_URI")
     # WAL lets one writer and many readers work at once: without it, ranks that log at the same
     # moment get "database is locked". The mode is stored in the file, so setting it once is enough.
     try:
@@ -217,7 +236,13 @@ def preflight(config: TrackingConfig) -> str | None:
     uri = tracking_uri()
     check_store(uri)
     with store_errors(uri, f"opening experiment {config.experiment!r}"):
-        return _experiment_id(MlflowClient(uri), config.experiment, uri)
+        client = MlflowClient(uri)
+        experiment = client.get_experiment_by_name(config.experiment)
+        if experiment is not None and experiment.lifecycle_stage != "active":
+            raise PipelineError(
+                f"tracking.experiment = {config.experiment!r} is deleted in {shown(uri)}: restore it (`mlflow "
+                f"experiments restore --experiment-id {experiment.experiment_id}`) or choose another name")
+        return _experiment_id(client, config.experiment, uri)
 
 
 def missing_runs(config: TrackingConfig, ids: dict) -> list[str]:
@@ -336,6 +361,15 @@ class ModeRun:
     _client: Any = field(default=None, repr=False)
     reopen: bool = False  # a continued training: its ended runs are set RUNNING again by until_done
 
+    def _end_now(self, status: str) -> None:
+        """This rank's runs ended directly, not through the outbox (best effort: the store that
+        refused one call may take this one)."""
+        for run_id in [self.child_id] + ([self.parent_id] if self.rank.is_main else []):
+            try:
+                self._client.set_terminated(run_id, status)
+            except Exception as exc:
+                log.warning("could not mark MLflow run %s %s: %s", run_id, status, _reason(exc))
+
     def start(self) -> None:
         """Inside the section that ends the runs: a continued training's runs go back to RUNNING
         only where a failure would end them again."""
@@ -403,6 +437,7 @@ class ModeRun:
         self.outbox.close()
         refusal = getattr(self.outbox, "refusal", None)
         if left and refusal is not None:
+            self._end_now("FAILED")  # the end calls wait behind the refused one: no run may stay RUNNING
             raise PipelineError(
                 f"{self.mode}: the tracking store {shown(self.uri)} refused this training's tracking "
                 f"({_reason(refusal)}). Training's outputs are saved; what rank {self.rank.rank} could not send "
@@ -459,6 +494,8 @@ def _deliver(client, uri: str, op: dict) -> None:
         client.log_batch(op["run"], metrics=[Metric(key, value, ts, step) for key, value, step, ts in op["points"]])
     elif kind == "artifact":
         if Path(op["path"]).is_file():
+            if Path(op["path"]).is_symlink():  # checked when read; a link may have been put there since
+                raise ValueError(f"{op['path']} is now a symbolic link: not uploaded")
             client.log_artifact(op["run"], op["path"])
     elif kind == "model":
         _log_model(client, uri, op)
@@ -537,28 +574,57 @@ OPS = ("metrics", "artifact", "model", "end")
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 
 
-def op_checker(mode_dir: Path):
+def _own_file(path: str, root: Path) -> Path:
+    """`path` if it is a file under `root` reached without a symbolic link, else ValueError: a
+    link planted in a shared folder must not make the pipeline upload what it points to."""
+    absolute = Path(os.path.abspath(path))
+    if absolute.resolve() != absolute:
+        raise ValueError(f"{path} goes through a symbolic link: not uploaded")
+    if not absolute.is_relative_to(root):
+        raise ValueError(f"{path} is outside {root}: only the mode's own files are uploaded")
+    return absolute
+
+
+def op_checker(mode_dir: Path, run_ids: Iterable[str] | None = None, registered: str | None = None):
     """What an outbox line may ask, vetted before it is sent: the file is on a disk others may
-    write to (a shared volume), so it is data, not code. A line may name a known operation on a
-    run id, upload only files under the mode's own folder, and end a run only as MLflow does."""
-    root = Path(mode_dir).resolve()
+    write to (a shared volume), so it is data, not code. A line may only make a known call, on
+    one of this training's runs (`run_ids`: those in mlflow_run.json), upload files under the
+    mode's own folder, register the model under the name the settings give (`registered`), and
+    end a run only as MLflow does."""
+    root = Path(os.path.abspath(mode_dir)).resolve()
+    allowed = set(run_ids) if run_ids is not None else None
 
     def check(op: dict) -> None:
-        if op.get("op") not in OPS:
-            raise ValueError(f"unknown operation {op.get('op')!r}")
-        if not RUN_ID.fullmatch(str(op.get("run", ""))):
-            raise ValueError(f"{op.get('run')!r} is not a run id")
-        if op["op"] in ("artifact", "model"):
-            path = Path(str(op.get("path") if op["op"] == "artifact" else op.get("file"))).resolve()
-            if not path.is_relative_to(root):
-                raise ValueError(f"{path} is outside {mode_dir}: only the mode's own files are uploaded")
-        if op["op"] == "end" and op.get("status") not in ("FINISHED", "FAILED", "KILLED"):
+        kind, run = op.get("op"), str(op.get("run", ""))
+        if kind not in OPS:
+            raise ValueError(f"unknown operation {kind!r}")
+        if not RUN_ID.fullmatch(run):
+            raise ValueError(f"{run!r} is not a run id")
+        if allowed is not None and run not in allowed:
+            raise ValueError(f"run {run} is not one of this training's runs (mlflow_run.json)")
+        if kind == "metrics":
+            points = op.get("points")
+            if not isinstance(points, list) or not all(
+                    isinstance(p, list) and len(p) == 4 and isinstance(p[0], str) and isinstance(p[1], (int, float))
+                    and math.isfinite(p[1]) and all(isinstance(v, int) for v in p[2:]) for p in points):
+                raise ValueError("metrics must be [name, finite value, step, time] lists")
+        elif kind == "artifact":
+            _own_file(str(op.get("path")), root)
+        elif kind == "model":
+            _own_file(str(op.get("file")), root)
+            if op.get("mode") != Path(mode_dir).name or not isinstance(op.get("example"), list):
+                raise ValueError(f"a model of mode {op.get('mode')!r}, not {Path(mode_dir).name}'s")
+            if (op.get("registered") or None) != (registered or None):
+                raise ValueError(f"registers the model as {op.get('registered')!r}; tracking.registered_model says "
+                                 f"{registered or 'none'!r}")
+        elif op.get("status") not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"{op.get('status')!r} is not how a run ends")
 
     return check
 
 
-def _outbox(folder: Path | None, rank: Rank, uri: str, mode_dir: Path | None = None):
+def _outbox(folder: Path | None, rank: Rank, uri: str, run_ids: Iterable[str] | None = None,
+            registered: str | None = None):
     from functools import partial
 
     from mlflow import MlflowClient
@@ -569,40 +635,53 @@ def _outbox(folder: Path | None, rank: Rank, uri: str, mode_dir: Path | None = N
     if folder is None:
         return _Direct(deliver)
     return Outbox(folder, f"rank-{rank.rank}", deliver, target=shown(uri), refused=refused,
-                  check=op_checker(mode_dir or folder.parent))
+                  check=op_checker(folder.parent, run_ids, registered))
 
 
-def send_kept(folder: Path, uri: str | None = None) -> int:
+def send_kept(folder: Path, uri: str | None = None, registered: str | None = None) -> int | None:
     """Send what trainings left in `folder` (a mode's outbox) to the current store (`uri`, else
     MLFLOW_TRACKING_URI or the default): the `send-runs` command. Where the calls go is the
-    user's setting now, never what a file says. Returns how many calls were sent."""
+    user's setting now, never what a file says; a line may only touch the runs the mode's
+    mlflow_run.json names. Returns how many calls were sent (None: nothing was kept)."""
     from functools import partial
 
     from mlflow import MlflowClient
 
-    from pipeline.outbox import replay
+    from pipeline.atomic import read_json
+    from pipeline.outbox import DeliveryFailed, replay
 
+    if uri is not None and shown(uri) != uri:
+        raise PipelineError(f"--to {shown(uri)} holds a password: give the URI without it, and the account in "
+                            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD")
     uri = uri or tracking_uri()
     kept = sorted(folder.glob("rank-*.jsonl")) if folder.is_dir() else []
-    if kept:
-        check_store(uri)
+    if not kept:
+        return None
+    check_store(uri)
+    ids_file = folder.parent / "mlflow_run.json"
+    ids = read_json(ids_file, "it names the runs these calls belong to; drop them with --discard") \
+        if ids_file.is_file() else {}
+    run_ids = [ids["parent"], *ids.get("children", {}).values()] if ids else []
     sent = 0
     for path in kept:
         target = path.with_suffix(".target")
-        made_for = target.read_text().strip() if target.is_file() else "(not recorded)"
+        made_for = shown(target.read_text(errors="replace").strip()) if target.is_file() else "(not recorded)"
         deliver = partial(_deliver, MlflowClient(uri), uri)
         try:
-            sent += replay(path, deliver, op_checker(folder.parent))
-        except Exception as exc:
-            if _http_status(exc) == 404 or getattr(exc, "error_code", "") == "RESOURCE_DOES_NOT_EXIST":
+            sent += replay(path, deliver, op_checker(folder.parent, run_ids, registered))
+        except DeliveryFailed as failed:
+            exc = failed.cause
+            discard = f"`mnist-pipeline send-runs --mode {folder.parent.name} --discard`"
+            if _http_status(exc) == 404:
                 raise PipelineError(
-                    f"{path}: its runs are not in the tracking store {shown(uri)} (they were made in {made_for}); "
-                    f"set MLFLOW_TRACKING_URI to that store and run send-runs again, or drop what is kept with "
-                    f"`mnist-pipeline send-runs --mode {folder.parent.name} --discard`") from None
-            if isinstance(exc, PipelineError) or not from_tracking(exc):
-                raise
-            with store_errors(uri, f"sending {path}"):
-                raise
+                    f"{failed.where}: its run is not in the tracking store {shown(uri)} (these calls were made for "
+                    f"{made_for}); set MLFLOW_TRACKING_URI to that store and run send-runs again, or drop what is "
+                    f"kept with {discard}") from None
+            if from_tracking(exc) and not refused(exc):
+                with store_errors(uri, f"sending {failed.where}"):
+                    raise exc from None
+            raise PipelineError(f"{failed.where}: the tracking store {shown(uri)} refused it ({_reason(exc)}); fix "
+                                f"what it says and run send-runs again, or drop what is kept with {discard}") from None
     return sent
 
 
@@ -665,46 +744,62 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
     from pipeline.parallel import all_gather_objects, broadcast_object, nodes
 
     uri = tracking_uri()
-    if rank.is_main:
-        # Rank 0 alone touches the store first, so a new SQLite file is created (and its schema
-        # migrated) by one process; the others connect after the broadcast below.
-        client = MlflowClient(uri)
-        if resume:
-            experiment_id, parent_id = resume["experiment_id"], resume["parent"]
+    made: list[str] = []  # runs this rank created: ended FAILED if the rest of the start fails
+    client = None
+    try:
+        if rank.is_main:
+            # Rank 0 alone touches the store first, so a new SQLite file is created (and its schema
+            # migrated) by one process; the others connect after the broadcast below.
+            client = MlflowClient(uri)
+            if resume:
+                experiment_id, parent_id = resume["experiment_id"], resume["parent"]
+            else:
+                with store_errors(uri, "starting the runs"):
+                    experiment_id = _experiment_id(client, config.experiment, uri)
+                    run_tags = {**tags, **git_facts(), **dvc_experiment_facts(), "host": socket.gethostname()}
+                    parent_id = client.create_run(experiment_id, run_name=mode, tags=run_tags).info.run_id
+                    made.append(parent_id)
+                    client.log_batch(parent_id, params=_as_params(params))
+            shared = (experiment_id, parent_id)
         else:
-            with store_errors(uri, "starting the runs"):
-                experiment_id = _experiment_id(client, config.experiment, uri)
-                run_tags = {**tags, **git_facts(), **dvc_experiment_facts(), "host": socket.gethostname()}
-                parent_id = client.create_run(experiment_id, run_name=mode, tags=run_tags).info.run_id
-                client.log_batch(parent_id, params=_as_params(params))
-        shared = (experiment_id, parent_id)
-    else:
-        shared = None
-    experiment_id, parent_id = broadcast_object(shared, rank)
-    if not rank.is_main:
-        client = MlflowClient(uri)
+            shared = None
+        experiment_id, parent_id = broadcast_object(shared, rank)
+        if client is None:
+            client = MlflowClient(uri)
 
-    previous = (resume or {}).get("children", {})
-    if rank.rank in previous:
-        child_id = previous[rank.rank]  # reopened by until_done, which also ends it
-    else:
-        child_tags = {PARENT_TAG: parent_id, "mode": mode, "rank": str(rank.rank),
-                      "local_rank": str(rank.local_rank), "world_size": str(rank.world_size),
-                      "host": socket.gethostname(), **dvc_experiment_facts()}
-        child_id = client.create_run(experiment_id, run_name=f"{mode}/rank-{rank.rank}", tags=child_tags).info.run_id
-    children = dict(enumerate(all_gather_objects(child_id, rank)))
+        previous = (resume or {}).get("children", {})
+        if rank.rank in previous:
+            child_id = previous[rank.rank]  # reopened by until_done, which also ends it
+        else:
+            child_tags = {PARENT_TAG: parent_id, "mode": mode, "rank": str(rank.rank),
+                          "local_rank": str(rank.local_rank), "world_size": str(rank.world_size),
+                          "host": socket.gethostname(), **dvc_experiment_facts()}
+            with store_errors(uri, "starting this rank's run"):
+                child_id = client.create_run(experiment_id, run_name=f"{mode}/rank-{rank.rank}",
+                                             tags=child_tags).info.run_id
+            made.append(child_id)
+        children = dict(enumerate(all_gather_objects(child_id, rank)))
+        outbox = _outbox(outbox_dir, rank, uri, run_ids=[parent_id, *children.values()],
+                         registered=config.registered_model)
 
-    monitor = None
-    # One monitor per machine (local rank 0), on the parent, so the compare view shows them.
-    if config.system_metrics and rank.local_rank == 0:
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        monitor = None
+        # One monitor per machine (local rank 0), on the parent, so the compare view shows them.
+        if config.system_metrics and rank.local_rank == 0:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        monitor = SystemMetricsMonitor(parent_id, sampling_interval=config.system_metrics_interval_s,
-                                       resume_logging=bool(resume), tracking_uri=uri,
-                                       node_id=socket.gethostname() if nodes(rank) > 1 else None)
-        monitor.start()
+            monitor = SystemMetricsMonitor(parent_id, sampling_interval=config.system_metrics_interval_s,
+                                           resume_logging=bool(resume), tracking_uri=uri,
+                                           node_id=socket.gethostname() if nodes(rank) > 1 else None)
+            monitor.start()
+    except BaseException:
+        for run_id in made:  # nothing else would end them: until_done has not begun
+            try:
+                client.set_terminated(run_id, "FAILED")
+            except Exception as exc:
+                log.warning("could not mark MLflow run %s FAILED: %s", run_id, _reason(exc))
+        raise
     return ModeRun(config, mode, rank, uri, experiment_id, parent_id, child_id, children,
-                   _outbox(outbox_dir, rank, uri), monitor, client, reopen=bool(resume))
+                   outbox, monitor, client, reopen=bool(resume))
 
 
 @contextmanager

@@ -2,25 +2,29 @@
 
 import click
 
-from pipeline import outbox, tracking
-from pipeline.config import MODES
-from stages.common import model_dir
+from pipeline import lockfile, outbox, tracking
+from pipeline.config import MODES, load_config
+from stages.common import model_dir, params_option
 
 
 @click.command("send-runs")
+@params_option
 @click.option("--mode", type=click.Choice(MODES), required=True)
 @click.option("--to", "uri", metavar="URI", help="The tracking store to send to (default: MLFLOW_TRACKING_URI, "
                                                  "else the project's mlflow.db); never one a file names.")
 @click.option("--discard", is_flag=True, help="Drop what is kept instead of sending it.")
-def send_runs(mode: str, uri: str | None, discard: bool) -> None:
+def send_runs(params_path: str, mode: str, uri: str | None, discard: bool) -> None:
     """Send the metrics, files, model and run ends a training kept in models/<mode>/tracking-outbox
     because the tracking server did not answer (or refused them), to the current tracking store."""
     folder = model_dir(mode) / tracking.OUTBOX_DIR
-    if discard:
-        dropped = outbox.discard(folder)
-        click.echo(f"send-runs: {mode}: dropped {dropped} kept tracking calls" if dropped
-                   else f"send-runs: {mode}: nothing kept in {folder}")
-        return
-    sent = tracking.send_kept(folder, uri)
-    click.echo(f"send-runs: {mode}: " + (f"sent {sent} kept tracking calls; its runs are complete" if sent
-                                          else f"nothing kept in {folder}"))
+    registered = load_config(params_path).tracking.registered_model
+    # Not while the mode trains: its outbox is being written.
+    with lockfile.held(model_dir(mode), f"send-runs --mode {mode}"):
+        if discard:
+            dropped = outbox.discard(folder)
+            click.echo(f"send-runs: {mode}: dropped {dropped} kept tracking calls" if dropped
+                       else f"send-runs: {mode}: nothing kept in {folder}")
+            return
+        sent = tracking.send_kept(folder, uri, registered)
+    click.echo(f"send-runs: {mode}: " + (f"nothing kept in {folder}" if sent is None else
+                                          f"sent {sent} kept tracking calls; its runs are complete"))

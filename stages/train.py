@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import os
 import shutil
 import time
 from contextlib import nullcontext
@@ -23,7 +24,7 @@ from pipeline.errors import PipelineError
 from pipeline.loop import Training, to_device
 from pipeline.loop import train as train_model
 from pipeline.mnist import IMAGE_SIZE
-from pipeline.prepared import STATS_FILE, Split, load_prepared, load_stats
+from pipeline.prepared import STATS_FILE, Split, load_prepared, load_split, load_stats
 from stages.common import model_dir, params_option, read_run_ids, run_ids_file
 from stages.workers import gpu_request, launch_workers, run_facts, slurm_ready, submit_to_slurm
 
@@ -121,6 +122,12 @@ def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, res
         state = resume_state(out / CHECKPOINT_FILE, trajectory(config.train, mode), asked=resume,
                              restarted=parallel.restarted_by_torchrun(), rank=rank)
         facts = run_facts(mode, rank, device, distributed=mode == "ddp")
+        if state is None and not parallel.restarted_by_torchrun():
+            # A fresh training (under any launcher): what an earlier one left unsent is not its to replay.
+            dropped = outbox.discard(out / tracking.OUTBOX_DIR, f"rank-{rank.rank}")
+            if dropped:
+                log.warning("%s: rank %d dropped %d tracking calls an earlier training kept for its own runs",
+                            mode, rank.rank, dropped)
         runs = tracking.start_mode_run(config.tracking, mode, rank, facts, params,
                                        state.get("extra", {}).get("mlflow") if state else None,
                                        outbox_dir=out / tracking.OUTBOX_DIR)
@@ -193,10 +200,9 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
         (out / CHECKPOINT_FILE).unlink(missing_ok=True)
         shutil.rmtree(out / "logs", ignore_errors=True)
         dropped = outbox.discard(out / tracking.OUTBOX_DIR)
-        if dropped:
-            log.warning("%s: dropped %d tracking calls an earlier training kept in %s for its own runs (send them "
-                        "first with `mnist-pipeline send-runs --mode %s` if you need them)",
-                        mode, dropped, out / tracking.OUTBOX_DIR, mode)
+        if dropped:  # said, not silent: they were an earlier training's, for runs now ended
+            log.warning("%s: dropped %d tracking calls an earlier training kept in %s for its own runs, which "
+                        "were never sent", mode, dropped, out / tracking.OUTBOX_DIR)
     write_json(out / UNFINISHED_FILE, {"inputs": inputs, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     return go_on
 
@@ -228,12 +234,13 @@ def check_prepared(data_dir: Path, batch_size: int) -> None:
     is allowed (quick runs) but said, with its numbers."""
     stats = load_stats(data_dir)
     for name in ("train", "val"):
-        split = stats["splits"][name]
-        if list(split["image_shape"]) != list(IMAGE_SIZE) or not split["count"]:
+        split = load_split(data_dir, name)  # readable, and what stats.json says it is
+        if tuple(split.images.shape[1:]) != IMAGE_SIZE or not len(split.labels) or \
+                len(split.labels) != stats.get("splits", {}).get(name, {}).get("count"):
             raise PipelineError(
-                f"{data_dir / STATS_FILE}: the {name} split holds {split['count']} images of "
-                f"{'x'.join(map(str, split['image_shape']))} pixels, not 28x28 MNIST images; run "
-                "`mnist-pipeline prepare` (or `dvc repro prepare`) again")
+                f"{data_dir / f'{name}.pt'}: holds {len(split.labels)} images of "
+                f"{'x'.join(map(str, split.images.shape[1:]))} pixels, not the 28x28 MNIST images {STATS_FILE} "
+                "describes; run `mnist-pipeline prepare` (or `dvc repro prepare`) again")
     train_count, val_count = stats["splits"]["train"]["count"], stats["splits"]["val"]["count"]
     if train_count < batch_size:
         log.warning("the training split has %d images (%d more were taken for validation, data.val_size), fewer "
@@ -243,12 +250,17 @@ def check_prepared(data_dir: Path, batch_size: int) -> None:
 
 @click.command()
 @params_option
-@click.option("--mode", type=click.Choice(MODES), required=True, help="single, dp (DataParallel) or ddp.")
+@click.option("--mode", type=click.Choice(MODES), help="single, dp (DataParallel) or ddp.")
+@click.option("--mode-of-dvc-stage", "from_stage", is_flag=True,
+              help="The mode named by the DVC stage running this (DVC_STAGE=train@<mode>), as dvc.yaml says.")
 @click.option("--data-dir", default="data/prepared", show_default=True, type=click.Path(file_okay=False))
 @click.option("--resume", is_flag=True, help="Continue from models/<mode>/checkpoint.pt.")
-def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
+def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, resume: bool) -> None:
     """Train one mode. For ddp, starts one worker per device (or submits the Slurm job, with
     train.launcher: slurm) unless already under torchrun."""
+    mode = stage_mode() if from_stage else mode
+    if mode is None:
+        raise click.UsageError("say which mode to train: --mode single, dp or ddp")
     config = load_config(params_path)
     if parallel.under_torchrun():  # a worker: the launcher (this command, torchrun or a scheduler) decided
         if parallel.rank_from_env().is_main:
@@ -264,6 +276,17 @@ def train(params_path: str, mode: str, data_dir: str, resume: bool) -> None:
         else:
             run_worker(config, Path(params_path), mode, Path(data_dir), resume)
         (model_dir(mode) / UNFINISHED_FILE).unlink()  # only now: every output is in place
+
+
+def stage_mode() -> str:
+    """The mode of the DVC stage running this command: dvc.yaml passes it this way, not as
+    `--mode ${item}`, which would put params.yaml's text (train.modes) into a shell command."""
+    stage = os.environ.get("DVC_STAGE", "")
+    mode = stage.partition("@")[2]
+    if not stage.startswith("train@") or mode not in MODES:
+        raise PipelineError(f"DVC_STAGE={stage!r}: --mode-of-dvc-stage needs a stage train@<mode>, one of {MODES}; "
+                            "check train.modes in params.yaml")
+    return mode
 
 
 def check_output_folders(mode: str) -> None:

@@ -162,3 +162,44 @@ def test_refusals_and_outages_as_mlflow_raises_them(tmp_path):
     assert refused(OSError(errno.EROFS, "Read-only file system")) and refused(OSError(errno.EDQUOT, "quota"))
     assert not refused(ConnectionResetError()) and not refused(MlflowException("x", error_code=TEMPORARILY_UNAVAILABLE))
     assert refused(MlflowException("x", error_code=PERMISSION_DENIED))
+
+
+def test_a_line_that_is_not_utf8_is_one_damaged_line_and_discard_always_works(tmp_path, caplog):
+    from pipeline.outbox import discard
+
+    folder = tmp_path / "box"
+    folder.mkdir()
+    (folder / "rank-0.jsonl").write_bytes(b'{"n": 0}\n\xff\xfe garbage\n{"n": 2}\n')
+    server = Flaky()
+    assert replay(folder / "rank-0.jsonl", server) == 2 and server.got == [0, 2]
+    assert f"{folder / 'rank-0.jsonl'}:2: skipped" in caplog.text
+    folder.mkdir()
+    (folder / "rank-1.jsonl").write_bytes(b"\xff\n\xfe\n")
+    assert discard(folder) == 2 and not folder.exists()
+
+
+def test_the_checker_holds_a_line_to_this_trainings_runs_files_and_registry_name(tmp_path, caplog):
+    from pipeline.tracking import op_checker
+
+    mode_dir = tmp_path / "models/single"
+    (mode_dir / "logs").mkdir(parents=True)
+    (tmp_path / "secret").write_text("ssh key")
+    (mode_dir / "logs/rank-0.log").symlink_to(tmp_path / "secret")  # planted in a shared folder
+    ours, other = "0123456789abcdef0123456789abcdef", "f" * 32
+    check = op_checker(mode_dir, run_ids=[ours], registered="mnist-cnn")
+    model = {"op": "model", "run": ours, "file": str(mode_dir / "model.pt"), "mode": "single", "example": []}
+    bad = [({"op": "end", "run": other, "status": "FINISHED"}, "not one of this training's runs"),
+           ({"op": "artifact", "run": ours, "path": str(mode_dir / "logs/rank-0.log")}, "symbolic link"),
+           ({"op": "metrics", "run": ours}, "metrics must be"),
+           ({"op": "metrics", "run": ours, "points": [["loss", float("nan"), 1, 0]]}, "metrics must be"),
+           ({**model, "registered": "attacker"}, "registers the model as 'attacker'"),
+           ({**model, "mode": "ddp", "registered": "mnist-cnn"}, "a model of mode 'ddp'")]
+    for line, reason in bad:
+        try:
+            check(line)
+        except ValueError as exc:
+            assert reason in str(exc), (line, exc)
+        else:
+            raise AssertionError(f"accepted {line}")
+    check({**model, "registered": "mnist-cnn"})
+    check({"op": "metrics", "run": ours, "points": [["loss", 0.5, 1, 0]]})

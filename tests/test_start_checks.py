@@ -6,6 +6,7 @@ never deleting a folder the pipeline did not make."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import logging
@@ -216,6 +217,25 @@ def test_a_read_only_artifact_store_fails_the_stage_at_once_with_its_reason(proj
     assert "send-runs --mode single" in result.stderr and "Traceback" not in result.stderr
     assert "did not take this training's tracking within" not in result.stderr  # not waited for as an outage
     assert (project / "models/single/model.pt").is_file()  # what was trained is kept
+    from mlflow import MlflowClient
+
+    ids = json.loads((project / "models/single/mlflow_run.json").read_text())
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    for run_id in [ids["parent"], *ids["children"].values()]:  # no run left RUNNING
+        assert client.get_run(run_id).info.status == "FAILED"
+
+
+def test_a_deleted_experiment_is_found_before_the_disk_changes(project, tmp_path):
+    from mlflow import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'deleted.db'}"
+    client = MlflowClient(store)
+    client.delete_experiment(client.create_experiment("mnist-data-parallel",
+                                                      tags={"mlflow.experimentKind": "custom_model_development"}))
+    before = plant_previous_training(project, "single")
+    result = train_cli(project, "single", check=False, MLFLOW_TRACKING_URI=store)
+    assert_refused_and_untouched(project, "single", before, result, "'mnist-data-parallel' is deleted",
+                                 "mlflow experiments restore")
 
 
 @pytest.mark.parametrize("damage", ["store", "stats"])
