@@ -25,9 +25,13 @@ LOCK_FILE = ".train.lock"  # in .dvcignore: not part of the mode's outputs
 @contextmanager
 def held(folder: Path, what: str) -> Iterator[None]:
     """Hold `folder`'s lock for the block; a PipelineError naming the holder if another has it."""
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise PipelineError(f"{path}: cannot be made ({exc.strerror}); run from a folder you can write to, or fix "
+                            "its permissions") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -11,10 +11,14 @@ Apart from pipeline.tracking, the only module that imports mlflow: MLflow execut
 
 from __future__ import annotations
 
+import warnings
+
 import mlflow
 from mlflow.pyfunc import PythonModel
 
 WEIGHTS = "weights"  # the artifact's name: the mode's model.pt
+# MLflow asks for type hints on predict to infer a signature; the model is logged with its own.
+warnings.filterwarnings("ignore", message=r".*Add type hints to the `predict` method")
 
 
 def build_from_weights(path: str):

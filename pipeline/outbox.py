@@ -155,7 +155,7 @@ def read(path: Path, sent_path: Path, check: Callable[[dict], None] | None = Non
                 raise ValueError("not a JSON object")
             if check is not None:
                 check(op)
-        except ValueError as exc:  # json's and the decoder's errors are ValueErrors too
+        except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # json's and the decoder's too
             if number > sent:
                 log.warning("%s:%d: skipped, not a tracking call this training made (%s)", path, number, _short(exc))
             op = None
@@ -168,6 +168,10 @@ def replay(path: Path, deliver: Callable[[dict], Any], check: Callable[[dict], N
     first failure (raised), having recorded what went through; removes the files once all did."""
     sent_path = path.with_suffix(".sent")
     ops, sent = read(path, sent_path, check)
+    skipped = [line for op, line in zip(ops[sent:], path.read_bytes().splitlines()[sent:]) if op is None]
+    if skipped:  # kept, not lost: reported line by line when read, and left for a look
+        with path.with_suffix(".rejected").open("ab") as rejected:
+            rejected.write(b"".join(line + b"\n" for line in skipped))
     delivered = 0
     for index in range(sent, len(ops)):
         if ops[index] is not None:
@@ -184,6 +188,9 @@ def replay(path: Path, deliver: Callable[[dict], Any], check: Callable[[dict], N
 def discard(folder: Path, name: str = "*") -> int:
     """Remove an outbox (every rank's, or rank `name`'s), without reading its calls as such:
     however damaged, it goes. Returns how many lines it held unsent."""
+    if folder.is_symlink():  # never what it points to
+        folder.unlink()
+        return 0
     left = 0
     for path in folder.glob(f"{name}.jsonl") if folder.is_dir() else []:
         try:

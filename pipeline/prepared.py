@@ -85,7 +85,10 @@ def load_split(data_dir: Path, name: str) -> Split:
         raise DataError(f"{path}: missing; run `mnist-pipeline prepare` (or `dvc repro prepare`) first")
     try:
         blob = torch.load(path, weights_only=True)
-        return Split(blob["images"], blob["labels"])
+        images, labels = blob["images"], blob["labels"]
+        if not (isinstance(images, torch.Tensor) and isinstance(labels, torch.Tensor) and len(images) == len(labels)):
+            raise ValueError("not images and labels of one length")
+        return Split(images, labels)
     except Exception as exc:
         raise DataError(f"{path}: unreadable ({exc}); run `mnist-pipeline prepare` again") from None
 

@@ -8,6 +8,7 @@ Metrics go out in one batch per epoch and run, never per step, so tracking costs
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -68,7 +69,9 @@ def tracking_uri() -> str:
     refused: MLflow and the HTTP client repeat the URI in their errors and logs, which end up in
     rank logs and artifacts."""
     uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / DEFAULT_DB}"
-    if shown(uri) != uri:
+    # A database URL's password has nowhere else to go (MLflow reads the account variables for
+    # HTTP stores only): that one is masked wherever it is shown.
+    if uri.startswith(("http://", "https://")) and shown(uri) != uri:
         raise PipelineError(
             f"MLFLOW_TRACKING_URI={shown(uri)} holds a password, which MLflow would repeat in its messages and logs: "
             f"set MLFLOW_TRACKING_URI={_USERINFO.sub('', uri)} and the account in MLFLOW_TRACKING_USERNAME and "
@@ -84,8 +87,10 @@ def dvc_experiment_facts() -> dict[str, str]:
     return {key: value for key, value in facts.items() if value}
 
 
-_PASSWORD = re.compile(r"(?<=://)([^:/@\s]*):[^@\s]*@")  # user:password@ after a scheme, whatever the password holds
-_USERINFO = re.compile(r"(?<=://)[^/@\s]*@")
+# user:password@ after a scheme: up to the last @ before the path, so a raw @ in the password
+# is masked too (a raw / is not allowed there, and ends the match).
+_PASSWORD = re.compile(r"(?<=://)([^:/@\s]*):[^/\s]*@")
+_USERINFO = re.compile(r"(?<=://)[^/\s]*@")
 
 
 def shown(text: str) -> str:
@@ -109,22 +114,23 @@ REFUSALS = ("Permission denied", "Read-only file system", "readonly database", "
             "No space left on device", "database or disk is full")
 
 
+REFUSING_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+
+
 def refused(exc: BaseException) -> bool:
     """Whether the store said no, as opposed to being away: waiting on a refusal would never end
-    it. Away: no connection, a timeout, a 5xx or 408/429 answer. No: any other answer (a 4xx, no
-    such run), a read-only, full or forbidden store (whatever status a server wraps that in),
-    and any other error (a call the store cannot take as it is)."""
+    it. No: a 4xx answer (no such run, no permission), a read-only, full or forbidden store
+    (whatever status a server wraps that in, or a local folder's errno), a call that cannot be
+    taken as it is (ValueError, KeyError, TypeError). Anything else is away: no connection, a
+    timeout, a 5xx or 408/429 answer, and errors of libraries this cannot know (cloud SDKs)."""
     if any(reason in str(exc) for reason in REFUSALS):
         return True
     status = _http_status(exc)
     if status is not None:
         return status < 500 and status not in (408, 429)
-    # requests' errors are OSErrors too: without a status they are a connection that failed; an
-    # MlflowException without one is a failed request or an internal error of the server.
-    module = type(exc).__module__.split(".")[0]
-    if isinstance(exc, (ConnectionError, TimeoutError)) or module in ("requests", "urllib3", "mlflow"):
-        return False
-    return True  # a local artifact folder's OSError, or a call that cannot be taken (KeyError, ValueError...)
+    if isinstance(exc, OSError):
+        return exc.errno in REFUSING_ERRNOS and type(exc).__module__.split(".")[0] not in ("requests", "urllib3")
+    return isinstance(exc, (ValueError, KeyError, TypeError)) and type(exc).__module__.split(".")[0] != "mlflow"
 
 
 def _reason(exc: BaseException) -> str:
@@ -494,8 +500,9 @@ def _deliver(client, uri: str, op: dict) -> None:
         client.log_batch(op["run"], metrics=[Metric(key, value, ts, step) for key, value, step, ts in op["points"]])
     elif kind == "artifact":
         if Path(op["path"]).is_file():
-            if Path(op["path"]).is_symlink():  # checked when read; a link may have been put there since
-                raise ValueError(f"{op['path']} is now a symbolic link: not uploaded")
+            absolute = Path(os.path.abspath(op["path"]))
+            if absolute.resolve() != absolute:  # checked when read; a link may have been put on its way since
+                raise ValueError(f"{op['path']} now goes through a symbolic link: not uploaded")
             client.log_artifact(op["run"], op["path"])
     elif kind == "model":
         _log_model(client, uri, op)
@@ -659,9 +666,13 @@ def send_kept(folder: Path, uri: str | None = None, registered: str | None = Non
         return None
     check_store(uri)
     ids_file = folder.parent / "mlflow_run.json"
-    ids = read_json(ids_file, "it names the runs these calls belong to; drop them with --discard") \
+    discard = f"`mnist-pipeline send-runs --mode {folder.parent.name} --discard`"
+    ids = read_json(ids_file, f"it names the runs these calls belong to; drop them with {discard}") \
         if ids_file.is_file() else {}
-    run_ids = [ids["parent"], *ids.get("children", {}).values()] if ids else []
+    if not isinstance(ids, dict) or "parent" not in ids:
+        raise PipelineError(f"{ids_file}: missing or without run ids, so nothing says which runs the calls kept in "
+                            f"{folder} belong to; none is sent. Drop them with {discard}")
+    run_ids = [ids["parent"], *ids.get("children", {}).values()]
     sent = 0
     for path in kept:
         target = path.with_suffix(".target")
@@ -671,7 +682,6 @@ def send_kept(folder: Path, uri: str | None = None, registered: str | None = Non
             sent += replay(path, deliver, op_checker(folder.parent, run_ids, registered))
         except DeliveryFailed as failed:
             exc = failed.cause
-            discard = f"`mnist-pipeline send-runs --mode {folder.parent.name} --discard`"
             if _http_status(exc) == 404:
                 raise PipelineError(
                     f"{failed.where}: its run is not in the tracking store {shown(uri)} (these calls were made for "
@@ -714,7 +724,7 @@ def print_ui_link() -> None:
 
 def _ui_base(uri: str | None) -> str:
     """The UI of the server in MLFLOW_TRACKING_URI, or `make ui`'s for the default store."""
-    uri = uri or tracking_uri()
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI", "")  # not tracking_uri(): a link is no use of the account
     if not uri.startswith(("http://", "https://")):
         return UI_DEFAULT
     parts = urllib.parse.urlsplit(uri)  # a link to print: the browser asks for the account itself

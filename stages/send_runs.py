@@ -17,7 +17,9 @@ def send_runs(params_path: str, mode: str, uri: str | None, discard: bool) -> No
     """Send the metrics, files, model and run ends a training kept in models/<mode>/tracking-outbox
     because the tracking server did not answer (or refused them), to the current tracking store."""
     folder = model_dir(mode) / tracking.OUTBOX_DIR
-    registered = load_config(params_path).tracking.registered_model
+    if not (folder.is_dir() or folder.is_symlink()):
+        click.echo(f"send-runs: {mode}: nothing kept in {folder}")
+        return
     # Not while the mode trains: its outbox is being written.
     with lockfile.held(model_dir(mode), f"send-runs --mode {mode}"):
         if discard:
@@ -25,6 +27,9 @@ def send_runs(params_path: str, mode: str, uri: str | None, discard: bool) -> No
             click.echo(f"send-runs: {mode}: dropped {dropped} kept tracking calls" if dropped
                        else f"send-runs: {mode}: nothing kept in {folder}")
             return
-        sent = tracking.send_kept(folder, uri, registered)
+        sent = tracking.send_kept(folder, uri, load_config(params_path).tracking.registered_model)
+    rejected = sorted(folder.glob("*.rejected")) if folder.is_dir() else []
     click.echo(f"send-runs: {mode}: " + (f"nothing kept in {folder}" if sent is None else
-                                          f"sent {sent} kept tracking calls; its runs are complete"))
+                                          f"sent {sent} kept tracking calls" + (
+                                              f"; the lines it could not trust are in {rejected[0].parent}/*.rejected"
+                                              if rejected else "; its runs are complete")))

@@ -281,7 +281,7 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
 def stage_mode() -> str:
     """The mode of the DVC stage running this command: dvc.yaml passes it this way, not as
     `--mode ${item}`, which would put params.yaml's text (train.modes) into a shell command."""
-    stage = os.environ.get("DVC_STAGE", "")
+    stage = os.environ.get("DVC_STAGE", "").rpartition(":")[2]  # run from a subfolder: ../dvc.yaml:train@dp
     mode = stage.partition("@")[2]
     if not stage.startswith("train@") or mode not in MODES:
         raise PipelineError(f"DVC_STAGE={stage!r}: --mode-of-dvc-stage needs a stage train@<mode>, one of {MODES}; "

@@ -173,7 +173,7 @@ def test_a_line_that_is_not_utf8_is_one_damaged_line_and_discard_always_works(tm
     server = Flaky()
     assert replay(folder / "rank-0.jsonl", server) == 2 and server.got == [0, 2]
     assert f"{folder / 'rank-0.jsonl'}:2: skipped" in caplog.text
-    folder.mkdir()
+    assert (folder / "rank-0.rejected").read_bytes() == b"\xff\xfe garbage\n"  # kept for a look, not lost
     (folder / "rank-1.jsonl").write_bytes(b"\xff\n\xfe\n")
     assert discard(folder) == 2 and not folder.exists()
 

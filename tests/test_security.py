@@ -55,9 +55,11 @@ def test_credentials_in_a_tracking_uri_are_never_printed_or_written(tmp_path):
     assert shown("http://tracking:5000") == "http://tracking:5000"
     assert ui_link("7", "http://alice:s3cret@tracking:5000/") == \
         "http://tracking:5000/#/experiments/7/runs?workflowType=machine_learning"
-    assert shown("API request to http://alice:p#ss/w@h:5000/api failed") == "API request to http://alice:***@h:5000/api failed"
+    assert shown("API request to http://alice:p#s@s@h:5000/api failed") == "API request to http://alice:***@h:5000/api failed"
+    assert shown("http://h:5000/prefix@x") == "http://h:5000/prefix@x"  # an @ in the path is no password
     uri = f"http://alice:s3cret@127.0.0.1:{free_port()}"
     project = make_project(tmp_path / "proj")
+    kept_outbox(project, [{"op": "end", "run": RUN, "status": "FINISHED"}], run_ids=(RUN,))
     for command in (["train", "--mode", "single"], ["send-runs", "--mode", "single"], ["compare"]):
         result = run(["mnist-pipeline", *command], project, check=False,
                      **project_env(project, MLFLOW_TRACKING_URI=uri))
@@ -65,6 +67,10 @@ def test_credentials_in_a_tracking_uri_are_never_printed_or_written(tmp_path):
         assert result.returncode == 1 and "alice:***@127.0.0.1" in result.stderr, result.stderr
         assert "MLFLOW_TRACKING_USERNAME" in result.stderr and "s3cret" not in result.stdout + result.stderr
         assert "Traceback" not in result.stderr
+    result = run(["mnist-pipeline", "send-runs", "--mode", "single", "--to", uri], project, check=False,
+                 **project_env(project))
+    assert result.returncode == 1 and "--to http://alice:***@127.0.0.1" in result.stderr, result.stderr
+    assert "s3cret" not in result.stdout + result.stderr
     box = _outbox(tmp_path / "models/single/tracking-outbox", Rank(), uri)
     box.put({"op": "end", "run": RUN, "status": "FINISHED"})
     box.close()
@@ -171,3 +177,18 @@ def test_loading_a_logged_model_never_unpickles_what_is_in_the_store(tmp_path, m
         else:
             raise AssertionError(f"{load.__module__}.{load.__name__} loaded a planted pickle")
         assert not marker.exists()
+
+
+def test_the_train_stage_takes_its_mode_from_dvc_stage_wherever_dvc_runs(monkeypatch):
+    import pytest
+
+    from pipeline.errors import PipelineError
+    from stages.train import stage_mode
+
+    for stage, mode in (("train@ddp", "ddp"), ("../dvc.yaml:train@dp", "dp")):  # the root, or a subfolder
+        monkeypatch.setenv("DVC_STAGE", stage)
+        assert stage_mode() == mode
+    for stage in ("train@single; touch PWNED", "evaluate", ""):
+        monkeypatch.setenv("DVC_STAGE", stage)
+        with pytest.raises(PipelineError, match="needs a stage train@<mode>"):
+            stage_mode()
