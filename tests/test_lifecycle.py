@@ -16,6 +16,9 @@ class RecordingRuns:
     def __init__(self, signal_while_ending=None):
         self.ended, self.signal_while_ending = [], signal_while_ending
 
+    def start(self):  # a continued training's runs would be reopened here
+        pass
+
     def end(self, status, wait_s=None):
         if self.signal_while_ending:
             os.kill(os.getpid(), self.signal_while_ending)  # a second `docker stop`, or Ctrl-C again

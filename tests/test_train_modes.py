@@ -91,7 +91,7 @@ def test_resume_without_checkpoint_or_with_changed_settings(small_project, tmp_p
         (["--mode", "single"], {"device": "cuda"}, "train.device is cuda, but no GPU is visible"),
         (["--mode", "ddp"], {"device": "cuda"}, "train.device is cuda, but no GPU is visible"),
         (["--mode", "fsdp"], {}, "'fsdp' is not one of 'single', 'dp', 'ddp'"),
-        (["--mode", "single", "--data-dir", "nowhere"], {}, "nowhere/train.pt: missing; run `mnist-pipeline prepare`"),
+        (["--mode", "single", "--data-dir", "nowhere"], {}, "nowhere/stats.json: missing; run `mnist-pipeline prepare`"),
         (["--mode", "ddp", "--data-dir", "nowhere"], {}, "nowhere/stats.json: missing"),
     ],
 )
