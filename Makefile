@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # DVC stages call `mnist-pipeline`, so the venv's bin must come first on PATH.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: install lock run test test-deps ui lint image-check gpu-check clean
+.PHONY: install lock run test test-deps ui show plots lint image-check gpu-check clean
 
 install: $(STAMP)
 
@@ -55,11 +55,21 @@ gpu-check: install
 	$(BIN)/python scripts/gpu_check.py
 
 # The MLflow UI on the default store (SQLite file + ./mlartifacts): http://127.0.0.1:5000
-# It prints the link that opens the experiment on its training runs, not on MLflow's GenAI pages.
+# It prints the links to the last training: its runs (not MLflow's GenAI pages), its modes and
+# each distributed mode's ranks side by side.
 ui: install
 	@$(BIN)/python -c "from pipeline.tracking import print_ui_link; print_ui_link()"
 	MLFLOW_DISABLE_TELEMETRY=$${MLFLOW_DISABLE_TELEMETRY:-true} \
 	  mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
 
 clean:
-	rm -rf data/prepared data/raw models metrics plots reports checks
+	rm -rf data/prepared data/raw models metrics results plots reports checks dvc_plots
+
+# Every experiment's settings and per-mode results, one row per mode (dvc exp show, curated);
+# ARGS go to dvc exp show, e.g. make show ARGS=-A
+show: install
+	@$(BIN)/python scripts/show_experiments.py $(ARGS)
+
+# The DVC charts as one page that needs no network: dvc_plots/index.html
+plots: install
+	dvc plots show

@@ -84,7 +84,7 @@ def breakdown(project: Path, wall: float, lines: list[tuple[float, str]]) -> dic
             mode = name.split("@")[1]
             with (project / "plots/train" / f"{mode}.csv").open() as handle:
                 first_epoch_s = float(next(csv.DictReader(handle))["epoch_time_s"])
-            loop = json.loads((project / "metrics/train" / f"{mode}.json").read_text())["train_time_s"]
+            loop = json.loads((project / "results/train" / f"{mode}.json").read_text())["train_time_s"]
             row.update(loop_s=loop, startup_s=epochs[0][0] - start - first_epoch_s, teardown_s=end - epochs[-1][0])
         stages[name] = row
     loops = sum(row.get("loop_s", 0.0) for row in stages.values())

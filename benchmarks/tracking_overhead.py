@@ -2,7 +2,7 @@
 
 Runs `mnist-pipeline train --mode MODE` on the full prepared data with the default params.yaml,
 alternating tracking.enabled true/false, and prints the median wall time of the whole command and of
-the training loop alone (metrics/train/<mode>.json), with the ratio on/off. Tracking goes to a fresh
+the training loop alone (results/train/<mode>.json), with the ratio on/off. Tracking goes to a fresh
 SQLite store in a temporary copy of the project.
 
     MNIST_SOURCE=../shared/data/mnist .venv/bin/python benchmarks/tracking_overhead.py
@@ -34,7 +34,7 @@ def run_once(project: Path, mode: str, tracking: bool, env: dict) -> tuple[float
     subprocess.run([sys.executable, "-m", "stages", "train", "--mode", mode], cwd=project, env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - started
-    loop = json.loads((project / "metrics/train" / f"{mode}.json").read_text())["train_time_s"]
+    loop = json.loads((project / "results/train" / f"{mode}.json").read_text())["train_time_s"]
     return wall, loop
 
 

@@ -134,7 +134,7 @@ def make_case(primitive: str, rank: Rank, numel: int, device) -> Case:
         def setup() -> None:
             fresh(numel * n)
             state["out"] = torch.empty(numel, device=device)
-        return Case(setup, lambda: dist.reduce_scatter_tensor(state["out"], state["buf"]),
+        return Case(setup, lambda: dist.reduce_scatter_single(state["out"], state["buf"]),
                     lambda: _first_mismatch(state["out"], total_of(numel, device, n, offset=r * numel)))
     if primitive == "all_to_all":
         # Rank q's chunk r goes to rank r, which holds them in rank order.

@@ -265,6 +265,18 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
     return loss_sum, correct, losses, shares
 
 
+LOSS_WINDOWS_PER_EPOCH = 20
+
+
+def loss_windows(step_sums: list[float], batch_lens: list[int], first_step: int) -> list[list[float]]:
+    """[last step, mean training loss] of each run of steps, about LOSS_WINDOWS_PER_EPOCH an epoch:
+    a curve with a shape even when training lasts one epoch, smoother than the steps' own losses."""
+    size = max(1, math.ceil(len(step_sums) / LOSS_WINDOWS_PER_EPOCH))
+    return [[first_step + start + len(step_sums[start:start + size]) - 1,
+             sum(step_sums[start:start + size]) / sum(batch_lens[start:start + size])]
+            for start in range(0, len(step_sums), size)]
+
+
 def check_finite(mode: str, epoch: int, loss_sum: torch.Tensor, losses: list[float], first_step: int,
                  rank: Rank) -> None:
     """A NaN or infinite loss means training diverged: stop with the step, not train on garbage.
@@ -326,8 +338,12 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         # kernel loading, DDP's bucket rebuild), which on a fast GPU dominate a short epoch.
         steady_time = clock.seconds_since_step(config.throughput_warmup_steps)
         steady_samples = sum(shares[config.throughput_warmup_steps:])
-        train_sums = all_sum(torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples),
-                                          loss_sum.new_tensor(steady_samples)]), rank)
+        # Each step's loss sum rides along in the epoch's one all_reduce: the loss curve of the
+        # global batches (loss_windows), the same in every mode.
+        step_sums = losses.double() * losses.new_tensor(shares, dtype=torch.float64)
+        sums = all_sum(torch.cat([torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples),
+                                               loss_sum.new_tensor(steady_samples)]), step_sums]), rank)
+        train_sums, step_sums = sums[:4], sums[4:].tolist()
         losses = losses.tolist()  # one copy per epoch
         check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
         val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size), rank)
@@ -351,7 +367,10 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
                                      if None not in steady_times and max(steady_times) > 0 else None),
             "steady_time_s": max(steady_times) if None not in steady_times else None,
             "epoch_time_s": max(epoch_times),
-            "lr": scheduler.get_last_lr()[0],
+            # The one-cycle schedule's rate at the epoch's end (its peak is train.lr).
+            "lr_at_epoch_end": scheduler.get_last_lr()[0],
+            "loss_windows": loss_windows(step_sums, [len(b) for b in global_batches(order, config.batch_size)],
+                                         first_step),
             "rank_weight_checksums": list(checksums),
         }
         if run.mode == "dp" and device.type == "cuda":  # DataParallel's memory, GPU by GPU
@@ -398,5 +417,5 @@ def report_epoch(mode: str, epochs: int, m: dict) -> None:
     log.info(
         f"{mode} epoch {m['epoch']}/{epochs}: train loss {m['train_loss']:.4f} acc {m['train_accuracy']:.4f} | "
         f"val loss {m['val_loss']:.4f} acc {m['val_accuracy']:.4f} | {m['samples_per_s']:.0f} samples/s, "
-        f"{m['epoch_time_s']:.1f} s"
+        f"training {m['train_time_s']:.1f} s + validation {m['epoch_time_s'] - m['train_time_s']:.1f} s"
     )

@@ -222,6 +222,23 @@ def check_world_size(global_batch: int, world_size: int) -> None:
             f"{global_batch} workers (train.nproc, train.nodes)")
 
 
+def ddp_layout(train) -> tuple[int, int]:
+    """(workers per node, nodes) of the DDP training that `train` (config.TrainConfig) starts."""
+    workers = train.nproc or (1 if train.launcher == "slurm" else default_nproc(train.device))
+    return workers, train.nodes if train.launcher == "slurm" else 1
+
+
+def check_every_mode(train) -> None:
+    """What would fail a later mode fails before the first training (commcheck, then every train
+    stage): found in seconds, not after the modes before it trained for hours."""
+    if "ddp" in train.modes:
+        workers, nodes = ddp_layout(train)
+        try:
+            check_world_size(train.batch_size, workers * nodes)
+        except ConfigError as exc:
+            raise ConfigError(f"ddp (in train.modes): {exc}") from None
+
+
 def batch_shares(batch: int, world_size: int) -> list[int]:
     """How many samples of a `batch`-sample global batch each DDP rank takes: rank r takes
     positions r, r + W, r + 2W, ... (see `pipeline.loop.rank_share`), so the shares differ by at

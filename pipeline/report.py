@@ -12,9 +12,10 @@ from pipeline.plotting import pyplot
 @dataclass(frozen=True)
 class ModeResult:
     mode: str
-    train: dict  # metrics/train/<mode>.json
-    eval: dict  # metrics/eval/<mode>.json
-    curves: list[dict]  # plots/train/<mode>.csv rows
+    train: dict  # results/train/<mode>.json
+    eval: dict  # results/eval/<mode>.json
+    curves: list[dict]  # plots/train/<mode>.csv rows, one per epoch
+    steps: list[dict]  # plots/steps/<mode>.csv rows: the training loss per window of steps
 
     @property
     def devices(self) -> int:
@@ -70,8 +71,42 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
             "scaling_efficiency": speedup / r.devices if speedup is not None else None,
             "train_time_s": r.train["train_time_s"],
             "test_accuracy": r.eval["accuracy"],
+            "test_loss": r.eval["loss"],
+            "val_accuracy": r.train["val_accuracy"],
+            "val_loss": r.train["val_loss"],
         })
     return rows
+
+
+def modes_csv(results: list[ModeResult], curve: str, columns: tuple[str, ...]) -> str:
+    """One curve of every mode (ModeResult.steps or .curves) in one table, a `mode` column first."""
+    lines = [",".join(("mode", *columns))]
+    for r in results:
+        for row in getattr(r, curve):
+            lines.append(",".join([r.mode] + [f"{int(row[c])}" if c in ("step", "epoch") else repr(row[c])
+                                              for c in columns]))
+    return "\n".join(lines) + "\n"
+
+
+def mode_metrics(row: dict) -> dict:
+    """metrics/<mode>.json: what `dvc metrics show` and `dvc exp show` compare, the test set's
+    accuracy and loss first; numbers only (the mode's facts are in results/, its curves in plots/)."""
+    # DVC orders the columns by name: accuracy and loss (on the test set) lead.
+    keys = ("accuracy", "loss", "samples_per_s", "scaling_efficiency", "speedup", "train_time_s",
+            "val_accuracy", "val_loss")
+    # samples_per_s is the figure the speed-up divides: after the warm-up where every mode has one.
+    values = {**row, "accuracy": row["test_accuracy"], "loss": row["test_loss"],
+              "samples_per_s": row[row["speedup_from"]]}
+    return {key: round(values[key], 6) if isinstance(values[key], float) else values[key]
+            for key in keys if values[key] is not None}
+
+
+def console_table(rows: list[dict]) -> str:
+    """The comparison in a terminal's width: what `dvc repro` ends with."""
+    lines = [f"{'mode':<7} {'test accuracy':>13} {'samples/s':>10} {'speed-up':>9} {'training time':>14}"]
+    lines += [f"{r['mode']:<7} {r['test_accuracy']:>13.2%} {r[r['speedup_from']]:>10,.0f} "
+              f"{_fmt(r['speedup'], '>8.2f')}x {r['train_time_s']:>12.1f} s" for r in rows]
+    return "\n".join(lines)
 
 
 def _fmt(value, pattern: str) -> str:
@@ -110,7 +145,7 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
         lines += ["", "**DataParallel ran on a CPU-only host**, where it has no GPUs to split the batch "
                       "over: it trained the bare module, so its numbers are the single-device numbers "
                       "again, not a measurement of DataParallel."]
-    lines += ["", "![throughput](throughput.png)", "", "![validation loss](val_loss.png)", ""]
+    lines += ["", "![throughput](throughput.png)", "", "![loss during training](loss.png)", ""]
     return "\n".join(lines)
 
 
@@ -128,15 +163,22 @@ def throughput_png(rows: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
-def val_loss_png(results: list[ModeResult], path: Path) -> None:
+def loss_png(results: list[ModeResult], path: Path) -> None:
+    """The training loss per window of steps, every mode on one chart, with each epoch's validation
+    loss as points: a curve with a shape even for one epoch, on an axis from zero, so that modes a
+    rounding error apart look as close as they are."""
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(6, 4))
     # Equivalent modes draw the same curve: distinct dashes keep every line visible.
-    for r, style in zip(results, ("-", "--", ":", "-.")):
-        axes.plot([c["epoch"] for c in r.curves], [c["val_loss"] for c in r.curves], style, marker="o",
-                  label=r.mode)
-    axes.set(xlabel="epoch", ylabel="validation loss", title="Validation loss per epoch")
-    axes.legend()
+    for r, style, colour in zip(results, ("-", "--", ":", "-."), ("tab:blue", "tab:orange", "tab:green")):
+        axes.plot([s["step"] for s in r.steps], [s["train_loss"] for s in r.steps], style, color=colour,
+                  label=f"{r.mode}: training")
+        steps_per_epoch = max(s["step"] for s in r.steps) / max(c["epoch"] for c in r.curves) if r.steps else 1
+        axes.plot([c["epoch"] * steps_per_epoch for c in r.curves], [c["val_loss"] for c in r.curves], "o",
+                  color=colour, fillstyle="none", label=f"{r.mode}: validation, end of epoch")
+    axes.set_ylim(bottom=0)
+    axes.set(xlabel="training step", ylabel="loss", title="Loss during training")
+    axes.legend(fontsize="small")
     figure.tight_layout()
     figure.savefig(path, dpi=100, format="png")
     plt.close(figure)

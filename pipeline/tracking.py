@@ -394,6 +394,8 @@ class ModeRun:
         """The training loop's epoch hook: one batch per run per epoch."""
         step = metrics["epoch"]
         parent = _numeric({k: v for k, v in metrics.items() if k != "epoch"}, step)  # the step says it
+        # The loss curve within the epoch, at the training step each window ends on.
+        parent += [("train_loss_window", loss, int(at)) for at, loss in metrics.get("loss_windows", ())]
         own = _numeric(rank_metrics, step) + [("step_loss", v, s) for s, v in rank_metrics.get("step_losses", ())]
         self.log_points(parent, own)
 
@@ -714,12 +716,20 @@ def _experiment_id(client, name: str, uri: str) -> str:
 
 
 def print_ui_link() -> None:
-    """For `make ui`: the link to the runs of the last training in this checkout."""
-    trained = sorted(Path("models").glob("*/mlflow_run.json"))
+    """For `make ui`: the links to the last training in this checkout: its runs, every mode side
+    by side, and each distributed mode's ranks side by side."""
+    trained = {path.parent.name: json.loads(path.read_text()) for path in sorted(Path("models").glob("*/mlflow_run.json"))}
     if not trained:
         print(f"MLflow UI: {UI_DEFAULT} (nothing trained yet: make run)")
         return
-    print(f"MLflow: the mode runs side by side at {ui_link(json.loads(trained[0].read_text())['experiment_id'])}")
+    experiment = next(iter(trained.values()))["experiment_id"]
+    print(f"MLflow: the mode runs side by side at {ui_link(experiment)}")
+    modes = [mode for mode in MODES if mode in trained]
+    print(f"MLflow: the last training's modes compared at {compare_link(experiment, [trained[m]['parent'] for m in modes])}")
+    for mode in modes:
+        ranks = trained[mode].get("children", {})
+        if len(ranks) > 1:
+            print(f"MLflow: the {mode} ranks compared at {compare_link(experiment, ranks.values())}")
 
 
 def _ui_base(uri: str | None) -> str:
@@ -738,8 +748,11 @@ def ui_link(experiment_id: str, uri: str | None = None) -> str:
 
 def compare_link(experiment_id: str, run_ids: Iterable[str], uri: str | None = None) -> str:
     """MLflow's compare page for these runs: every param and metric side by side."""
-    runs = ",".join(f'"{run_id}"' for run_id in run_ids)
-    return (f'{_ui_base(uri)}/#/compare-runs?runs=[{runs}]&experiments=["{experiment_id}"]'
+    # Percent-encoded: a terminal ends a link at a bracket or quote, MLflow's page decodes them.
+    def encoded(values: Iterable[str]) -> str:
+        return urllib.parse.quote(json.dumps(list(values), separators=(",", ":")), safe=",")
+
+    return (f"{_ui_base(uri)}/#/compare-runs?runs={encoded(run_ids)}&experiments={encoded([experiment_id])}"
             "&workflowType=machine_learning")
 
 

@@ -95,8 +95,8 @@ def run_default_pipeline(work: Path, mnist: Path) -> list[tuple[str, str, str]]:
         return [("dvc repro (default params, all of MNIST)", "FAILED", f"exit code {result.returncode}")]
     rows = [("dvc repro (default params, all of MNIST)", "passed", f"{wall:.0f} s wall time")]
     for mode in MODES:
-        train = json.loads((project / "metrics/train" / f"{mode}.json").read_text())
-        accuracy = json.loads((project / "metrics/eval" / f"{mode}.json").read_text())["accuracy"]
+        train = json.loads((project / "results/train" / f"{mode}.json").read_text())
+        accuracy = json.loads((project / "results/eval" / f"{mode}.json").read_text())["accuracy"]
         outcome = "passed" if accuracy >= TARGET_ACCURACY else "FAILED"
         rows.append((f"{mode}: {train['world_size']} x {train['device_name']}", outcome,
                      f"{accuracy:.2%} test accuracy after {train['train_time_s']:.1f} s of training, "
@@ -113,7 +113,7 @@ def steady(train: dict) -> str:
 def deterministic_cost(project: Path, mnist: Path) -> tuple[str, str, str]:
     """What `train.deterministic` costs: single trained again on all of MNIST with it off, against
     the pipeline's own single run with it on (both warm: data and kernels cached by then)."""
-    on = json.loads((project / "metrics/train/single.json").read_text())["steady_samples_per_s"]
+    on = json.loads((project / "results/train/single.json").read_text())["steady_samples_per_s"]
     params = project / "params-nondeterministic.yaml"
     params.write_text((project / "params.yaml").read_text().replace("deterministic: true", "deterministic: false"))
     result = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", str(params)], cwd=project,
@@ -122,7 +122,7 @@ def deterministic_cost(project: Path, mnist: Path) -> tuple[str, str, str]:
     if result.returncode != 0:
         print(result.stderr[-4000:])
         return (name, "FAILED", f"exit code {result.returncode}")
-    off = json.loads((project / "metrics/train/single.json").read_text())["steady_samples_per_s"]
+    off = json.loads((project / "results/train/single.json").read_text())["steady_samples_per_s"]
     return (name, "passed", f"{on:,.0f} samples/s on, {off:,.0f} off (after the warm-up): {off / on:.2f}x "
                             "the time per sample with it on")
 

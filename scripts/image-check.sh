@@ -161,7 +161,7 @@ chown -R 1000:1000 "$checkout"
 mounted=(--isolation chroot --user 1000:1000 -v "$checkout:/workspace")
 bah run "${mounted[@]}" -v "$mnist:/mnist:ro" -e MNIST_SOURCE=/mnist "$ctr" -- entrypoint
 for mode in single dp ddp; do
-    test -s "$checkout/metrics/eval/$mode.json"
+    test -s "$checkout/results/eval/$mode.json"
 done
 test "$(stat -c %u "$checkout/reports/comparison.md")" = 1000
 head -8 "$checkout/reports/comparison.md"

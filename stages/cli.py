@@ -10,6 +10,7 @@ import click
 
 from pipeline import __version__, malloc
 from pipeline.errors import PipelineError
+from stages.common import VERBOSE_ENV
 
 DEBUG_ENV = "MNIST_PIPELINE_DEBUG"  # =1: every error also shows its traceback
 
@@ -73,10 +74,36 @@ def library_failure(exc: Exception) -> str | None:
     return None
 
 
-@click.group(cls=PipelineGroup, context_settings={"help_option_names": ["-h", "--help"]})
+EPILOG = """\b
+Environment:
+  MNIST_SOURCE          folder or URL of the four MNIST IDX files (default:
+                        torchvision's mirrors)
+  MLFLOW_TRACKING_URI   where runs go (default: sqlite:///mlflow.db, files in
+                        ./mlartifacts)
+  MNIST_PIPELINE_DEBUG  =1: an error also prints its traceback
+\b
+Outputs:
+  data/prepared/       the splits
+  models/<mode>/       model, checkpoint, rank logs, MLflow run ids
+  metrics/<mode>.json  the numbers DVC compares (dvc metrics show, make show)
+  results/             every figure, per stage and mode
+  plots/               curves per epoch and per window of steps, confusion
+  reports/             comparison.md and its charts
+\b
+`dvc repro` runs every stage; `make show` compares experiments; `make ui`
+opens MLflow."""
+
+
+@click.group(cls=PipelineGroup, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog=EPILOG)
 @click.version_option(__version__, prog_name="mnist-pipeline")
-def main() -> None:
-    """Train MNIST under single-device, DataParallel and DistributedDataParallel, and compare."""
+@click.option("-v", "--verbose", is_flag=True, help="Print the detail too (commcheck's timings), not only the files.")
+def main(verbose: bool) -> None:
+    """Train MNIST under single-device, DataParallel and DistributedDataParallel, and compare.
+
+    Each command is one DVC stage (dvc.yaml), reading its settings from params.yaml."""
+    if verbose:  # the workers a stage starts inherit it
+        os.environ[VERBOSE_ENV] = "1"
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # Before any tensor: every step then reuses memory the process has (see pipeline.malloc).
     malloc.keep_freed_memory()

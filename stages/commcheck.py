@@ -1,4 +1,8 @@
-"""commcheck: every torch.distributed primitive checked and timed -> metrics/comm.json, checks/comm.json."""
+"""commcheck: every torch.distributed primitive checked and timed -> results/comm.json (the sweep),
+checks/comm.json (the verdict training depends on).
+
+It checks what DDP uses: with ddp not in train.modes nothing in the run uses torch.distributed, so it
+starts no workers and leaves the last verdict as it was (nothing retrains for it)."""
 
 import socket
 from pathlib import Path
@@ -9,10 +13,10 @@ from pipeline import comm, parallel, tracking
 from pipeline.atomic import write_json
 from pipeline.config import Config, flatten, load_config
 from pipeline.errors import PipelineError
-from stages.common import params_option
+from stages.common import echo_detail, params_option, verbose
 from stages.workers import launch_workers, run_facts, submit_to_slurm
 
-METRICS_FILE = Path("metrics/comm.json")
+RESULTS_FILE = Path("results/comm.json")
 # What training depends on: the verdict alone, which stays the same run after run on the same
 # hardware (timings do not). The stage runs on every `dvc repro` (always_changed: the hardware is no
 # file DVC can hash), and training reruns only when the verdict changes.
@@ -66,7 +70,7 @@ def run_worker(config: Config) -> None:
                 [(f"{t['primitive']}_time_us", t["seconds"] * 1e6, t["bytes"]) for t in mine["timings"]])
             failure = comm.failure_message(per_rank, backend)
             if rank.is_main:
-                click.echo(table(rows))
+                echo_detail(table(rows))
             if failure:
                 # Every rank stops; rank 0 says why, once.
                 raise PipelineError(failure) if rank.is_main else SystemExit(1)
@@ -76,7 +80,7 @@ def run_worker(config: Config) -> None:
                          "devices": devices}
                 checked = comm.checkable(rank.world_size)
                 summary = per_primitive(rows, checked)
-                write_json(METRICS_FILE, {"enabled": True, "passed": True, **facts, "host": socket.gethostname(),
+                write_json(RESULTS_FILE, {"enabled": True, "passed": True, **facts, "host": socket.gethostname(),
                                           "primitives": summary, "sweep": rows})
                 write_json(VERDICT_FILE, {"enabled": True, "passed": True, **facts, "primitives": list(checked)})
                 skipped = [p for p in comm.PRIMITIVES if p not in checked]
@@ -85,14 +89,15 @@ def run_worker(config: Config) -> None:
                 cut = {name: got["largest_bytes"] for name, got in summary.items()
                        if got.get("largest_bytes", largest) < largest}
                 if cut:
-                    click.echo(f"commcheck: the sweep stopped short of max_bytes ({largest}) to stay within "
+                    echo_detail(f"commcheck: the sweep stopped short of max_bytes ({largest}) to stay within "
                                f"commcheck.budget_s = {sweep.budget_s:g} s; largest message: "
                                + ", ".join(f"{name} {size}" for name, size in cut.items()))
                 click.echo(f"commcheck: all {len(checked)} primitives passed on {rank.world_size} ranks ({backend})"
-                           + (f"; {', '.join(skipped)} need a second rank" if skipped else ""))
+                           + (f"; {', '.join(skipped)} need a second rank" if skipped else "")
+                           + f"; timings in {RESULTS_FILE}" + ("" if verbose() else " (-v prints them)"))
 
 
-@click.command()
+@click.command(short_help="Check every torch.distributed primitive, timed.")
 @params_option
 def commcheck(params_path: str) -> None:
     """Check and time every torch.distributed primitive across the training devices."""
@@ -100,10 +105,17 @@ def commcheck(params_path: str) -> None:
     if parallel.under_torchrun():
         run_worker(config)
     elif not config.commcheck.enabled:
-        for path in (METRICS_FILE, VERDICT_FILE):
+        for path in (RESULTS_FILE, VERDICT_FILE):
             write_json(path, {"enabled": False})
         click.echo("commcheck: skipped (commcheck.enabled is false)")
+    elif "ddp" not in config.train.modes:
+        write_json(RESULTS_FILE, {"enabled": False, "skipped": "ddp is not in train.modes"})
+        if not VERDICT_FILE.is_file():
+            write_json(VERDICT_FILE, {"enabled": False})
+        click.echo("commcheck: nothing to check (ddp is not in train.modes, and no other mode uses "
+                   "torch.distributed)")
     else:
+        parallel.check_every_mode(config.train)
         if config.tracking.enabled:
             tracking.check_store(tracking.tracking_uri())
         command = ["commcheck", "--params", params_path]

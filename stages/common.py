@@ -1,10 +1,25 @@
 """What every stage shares: the params option and where each mode's outputs live."""
 
+import os
 from pathlib import Path
 
 import click
 
 from pipeline.atomic import read_json
+
+VERBOSE_ENV = "MNIST_PIPELINE_VERBOSE"  # =1, or `mnist-pipeline -v`: the detail on the terminal too
+
+
+def verbose() -> bool:
+    """Set by `mnist-pipeline -v` for this process and the workers it starts."""
+    return os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+
+
+def echo_detail(text: str) -> None:
+    """What a person reads in the files unless they ask for it here (-v)."""
+    if verbose():
+        click.echo(text)
+
 
 params_option = click.option(
     "--params",

@@ -1,17 +1,19 @@
-"""compare: every mode's train and eval metrics -> reports/comparison.md and its plots."""
+"""compare: every mode's training and test results -> metrics/<mode>.json (what DVC compares),
+reports/comparison.md and its plots."""
 
 from pathlib import Path
 
 import click
 
 from pipeline import tracking
-from pipeline.atomic import atomic_dir, check_replaceable, read_json
-from pipeline.config import load_config
+from pipeline.atomic import atomic_dir, check_replaceable, read_json, write_json
+from pipeline.config import MODES, load_config
 from pipeline.errors import PipelineError
-from pipeline.report import ModeResult, comparison_rows, markdown, read_curves, throughput_png, val_loss_png
+from pipeline.report import ModeResult, comparison_rows, console_table, loss_png, markdown, mode_metrics, modes_csv, read_curves, throughput_png
 from stages.common import params_option, read_run_ids
 
-REPORT_FILES = ("comparison.md", "throughput.png", "val_loss.png")
+REPORT_FILES = ("comparison.md", "throughput.png", "loss.png", "steps.csv", "epochs.csv")
+METRICS_DIR = Path("metrics")
 
 
 def read_metrics(path: Path) -> dict:
@@ -21,14 +23,15 @@ def read_metrics(path: Path) -> dict:
 
 
 def mode_result(mode: str) -> ModeResult:
-    curves = Path("plots/train") / f"{mode}.csv"
-    if not curves.is_file():
-        raise PipelineError(f"{curves}: missing; run the train stage for {mode} first (dvc repro)")
-    return ModeResult(mode, read_metrics(Path("metrics/train") / f"{mode}.json"),
-                      read_metrics(Path("metrics/eval") / f"{mode}.json"), read_curves(curves))
+    curves, steps = Path("plots/train") / f"{mode}.csv", Path("plots/steps") / f"{mode}.csv"
+    for path in (curves, steps):
+        if not path.is_file():
+            raise PipelineError(f"{path}: missing; run the train stage for {mode} first (dvc repro)")
+    return ModeResult(mode, read_metrics(Path("results/train") / f"{mode}.json"),
+                      read_metrics(Path("results/eval") / f"{mode}.json"), read_curves(curves), read_curves(steps))
 
 
-@click.command()
+@click.command(short_help="Compare the modes: metrics/, reports/, MLflow.")
 @params_option
 @click.option("--out", default="reports", show_default=True, type=click.Path(file_okay=False))
 def compare(params_path: str, out: str) -> None:
@@ -42,7 +45,17 @@ def compare(params_path: str, out: str) -> None:
     with atomic_dir(out, REPORT_FILES) as tmp:
         (tmp / "comparison.md").write_text(markdown(rows, results))
         throughput_png(rows, tmp / "throughput.png")
-        val_loss_png(results, tmp / "val_loss.png")
+        loss_png(results, tmp / "loss.png")
+        # Every mode's curves in one file each, for DVC's charts (dvc.yaml's plots).
+        (tmp / "steps.csv").write_text(modes_csv(results, "steps", ("step", "epoch", "train_loss")))
+        (tmp / "epochs.csv").write_text(modes_csv(results, "curves", ("epoch", "val_loss", "val_accuracy",
+                                                                      "train_loss", "train_accuracy")))
+    # File by file, with no marker beside them: DVC reads every file in the folder as a metric.
+    for mode in MODES:
+        if mode not in config.train.modes:
+            (METRICS_DIR / f"{mode}.json").unlink(missing_ok=True)
+    for row in rows:
+        write_json(METRICS_DIR / f"{row['mode']}.json", mode_metrics(row))
     files = [Path(out) / name for name in REPORT_FILES]
 
     mode_ids = {r.mode: read_run_ids(r.mode) for r in results}
@@ -55,7 +68,9 @@ def compare(params_path: str, out: str) -> None:
         tracking.log_to_mode_run(config.tracking, mode_ids[row["mode"]],
                                  {key: value for key, value in summary.items() if value is not None}, [])
     tracking.log_compare_run(config.tracking, mode_ids, files)
-    click.echo((Path(out) / "comparison.md").read_text())
+    click.echo(console_table(rows))
+    click.echo(f"compare: the full table and its plots in {Path(out) / 'comparison.md'}; "
+               f"the numbers DVC compares in {METRICS_DIR}/ (dvc metrics show, make show)")
     tracked = [ids for ids in mode_ids.values() if ids]
     if config.tracking.enabled and tracked:
         experiment = tracked[0]["experiment_id"]

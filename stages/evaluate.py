@@ -1,18 +1,15 @@
-"""evaluate: each mode's models/<mode>/model.pt + the test split -> metrics/eval/<mode>.json,
-plots/eval/<mode>/ (one actual,predicted row per test image) and plots/confusion/<mode>.png.
+"""evaluate: each mode's models/<mode>/model.pt + the test split -> results/eval/<mode>.json and
+plots/confusion/<mode>.png.
 
 Every mode in one process: a process pays about 6 s for importing torch and MLflow on the 2-core
 machine we measure on, and evaluating a model takes about 2 (benchmarks/pipeline_overhead.py)."""
 
-import csv
-import io
 from pathlib import Path
 
 import click
-import torch
 
 from pipeline import tracking
-from pipeline.atomic import atomic_path, write_json, write_text
+from pipeline.atomic import atomic_path, write_json
 from pipeline.checkpoint import MODEL_FILE
 from pipeline.config import MODES, Config, load_config
 from pipeline.errors import PipelineError
@@ -23,18 +20,12 @@ from pipeline.precision import float32_means_float32
 from pipeline.prepared import Split, load_split
 from stages.common import model_dir, params_option, read_run_ids
 
-METRICS_DIR = Path("metrics/eval")
-PREDICTIONS_DIR = Path("plots/eval")
+RESULTS_DIR = Path("results/eval")
 CONFUSION_DIR = Path("plots/confusion")
-
-
-def predictions_csv(actual: torch.Tensor, predicted: torch.Tensor) -> str:
-    """One row per test image, the form DVC's confusion template reads."""
-    out = io.StringIO()
-    writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["actual", "predicted"])
-    writer.writerows(zip(actual.tolist(), predicted.tolist()))
-    return out.getvalue()
+# Each training's files outside models/<mode>: a mode dropped from train.modes leaves none of them
+# behind, or `dvc metrics show` and `dvc plots show` would list it next to today's modes. Its model
+# and checkpoint stay in models/<mode> (and its numbers in git and MLflow).
+TRAINING_RESULTS = ("results/train/{mode}.json", "plots/train/{mode}.csv", "plots/steps/{mode}.csv")
 
 
 def evaluate_mode(config: Config, mode: str, trained: TrainedModel, test: Split, data_dir: Path) -> Evaluation:
@@ -43,8 +34,7 @@ def evaluate_mode(config: Config, mode: str, trained: TrainedModel, test: Split,
     images = to_device(test, trained.mean, trained.std, device)
     result = evaluate_model(trained.module.to(device), images, config.evaluate.batch_size)
 
-    write_json(METRICS_DIR / f"{mode}.json", result.summary())
-    write_text(PREDICTIONS_DIR / mode / "confusion.csv", predictions_csv(test.labels, result.predictions))
+    write_json(RESULTS_DIR / f"{mode}.json", result.summary())
     png = CONFUSION_DIR / f"{mode}.png"
     with atomic_path(png) as tmp:
         confusion_png(result.confusion, f"{mode}: test accuracy {result.accuracy:.2%}", tmp)
@@ -57,7 +47,7 @@ def evaluate_mode(config: Config, mode: str, trained: TrainedModel, test: Split,
     return result
 
 
-@click.command()
+@click.command(short_help="Test each mode's model on the 10,000 test images.")
 @params_option
 @click.option("--mode", "modes", type=click.Choice(MODES), multiple=True,
               help="A mode to evaluate (repeatable); default: every mode in train.modes.")
@@ -74,6 +64,9 @@ def evaluate(params_path: str, modes: tuple[str, ...], data_dir: str) -> None:
     float32_means_float32()  # the test numbers in plain float32, whatever precision trained the model
     results = {mode: evaluate_mode(config, mode, trained[mode], test, Path(data_dir)) for mode in modes}
 
+    if set(modes) == set(config.train.modes):
+        drop_unlisted_modes(config.train.modes)
+
     gate = config.evaluate.min_test_accuracy
     failed = [mode for mode, result in results.items() if result.accuracy < gate]
     if failed:
@@ -84,5 +77,12 @@ def evaluate(params_path: str, modes: tuple[str, ...], data_dir: str) -> None:
             "; ".join(f"{mode}: test accuracy {results[mode].accuracy:.2%}" for mode in failed)
             + f" {'is' if one else 'are'} below evaluate.min_test_accuracy = {gate:.2%}: "
             f"{'the model is' if one else 'the models are'} broken or undertrained (see "
-            + ", ".join(f"metrics/train/{mode}.json and {model_dir(mode) / 'logs'}" for mode in failed)
+            + ", ".join(f"results/train/{mode}.json and {model_dir(mode) / 'logs'}" for mode in failed)
             + "); fix the training params, or lower the gate in params.yaml")
+
+
+def drop_unlisted_modes(listed: tuple[str, ...]) -> None:
+    for mode in MODES:
+        if mode not in listed:
+            for pattern in TRAINING_RESULTS:
+                Path(pattern.format(mode=mode)).unlink(missing_ok=True)

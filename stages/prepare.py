@@ -23,7 +23,7 @@ def source_folder(download_root: Path) -> Path:
     return folder
 
 
-@click.command()
+@click.command(short_help="Read, verify and split MNIST into data/prepared/.")
 @params_option
 @click.option("--out", default="data/prepared", show_default=True, type=click.Path(file_okay=False))
 @click.option("--download-root", default="data/raw", show_default=True, type=click.Path(file_okay=False),

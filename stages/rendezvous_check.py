@@ -5,7 +5,7 @@ import click
 from pipeline import rendezvous
 
 
-@click.command("rendezvous-check")
+@click.command("rendezvous-check", short_help="Check a torchrun rendezvous address, in seconds.")
 @click.option("--endpoint", required=True, metavar="HOST:PORT", help="torchrun's --rdzv-endpoint.")
 @click.option("--host/--client", "is_host", default=False,
               help="This node hosts the rendezvous (torchrun's is_host=1), or joins it.")

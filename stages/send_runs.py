@@ -7,7 +7,7 @@ from pipeline.config import MODES, load_config
 from stages.common import model_dir, params_option
 
 
-@click.command("send-runs")
+@click.command("send-runs", short_help="Send tracking calls an MLflow outage kept.")
 @params_option
 @click.option("--mode", type=click.Choice(MODES), required=True)
 @click.option("--to", "uri", metavar="URI", help="The tracking store to send to (default: MLFLOW_TRACKING_URI, "

@@ -1,4 +1,5 @@
-"""train: data/prepared -> models/<mode>/, metrics/train/<mode>.json, plots/train/<mode>.csv."""
+"""train: data/prepared -> models/<mode>/, results/train/<mode>.json, plots/train/<mode>.csv (per epoch),
+plots/steps/<mode>.csv (the training loss per window of steps)."""
 
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ from stages.workers import gpu_request, launch_workers, run_facts, slurm_ready, 
 
 log = logging.getLogger(__name__)
 CODE_DIRS = [Path(checkpoint.__file__).parent, Path(__file__).parent]  # the pipeline and stages packages
-METRICS_DIR = Path("metrics/train")
+RESULTS_DIR = Path("results/train")
 CURVES_DIR = Path("plots/train")
+STEPS_DIR = Path("plots/steps")
 RUN_FILES = "run-files"  # in models/<mode>: what the parent run gets besides the model and checkpoint
-CURVE_COLUMNS = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
+CURVE_COLUMNS = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "train_time_s")
 
 
 def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: list[dict]) -> dict:
@@ -80,6 +82,12 @@ def curves_csv(history: list[dict]) -> str:
     writer.writeheader()
     writer.writerows(history)
     return out.getvalue()
+
+
+def steps_csv(history: list[dict]) -> str:
+    lines = ["step,epoch,train_loss"]
+    lines += [f"{int(step)},{m['epoch']},{loss!r}" for m in history for step, loss in m.get("loss_windows", ())]
+    return "\n".join(lines) + "\n"
 
 
 def attach_rank_log(path: Path) -> Path:
@@ -154,8 +162,9 @@ def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.R
         "normalization": {"mean": data.mean, "std": data.std},
         "config": flatten(config),
     })
-    write_json(METRICS_DIR / f"{mode}.json", summarize(config, mode, rank, device, history))
+    write_json(RESULTS_DIR / f"{mode}.json", summarize(config, mode, rank, device, history))
     write_text(curves, curves_csv(history))
+    write_text(STEPS_DIR / f"{mode}.csv", steps_csv(history))
     write_json(run_ids_file(mode), runs.ids)
     # The run's files are uploaded from the mode's own folder only (tracking.op_checker): copies.
     run_files = out / RUN_FILES
@@ -215,12 +224,10 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
         tracking.preflight(config.tracking)  # store, schema, host, account, experiment name
     if config.train.launcher == "local" or mode != "ddp":
         parallel.gpus_as_wanted(config.train.device)  # train.device: cuda without a GPU fails here
+    parallel.check_every_mode(config.train)
     if mode == "ddp":
         # Fail here, before any worker starts, on what would fail in every worker.
-        workers = config.train.nproc or (1 if config.train.launcher == "slurm"
-                                         else parallel.default_nproc(config.train.device))
-        nodes = config.train.nodes if config.train.launcher == "slurm" else 1
-        parallel.check_world_size(config.train.batch_size, workers * nodes)
+        workers, nodes = parallel.ddp_layout(config.train)
         if config.train.launcher == "slurm":
             slurm_ready()
             gpu_request(config)
@@ -248,7 +255,7 @@ def check_prepared(data_dir: Path, batch_size: int) -> None:
                     train_count, val_count, batch_size, train_count)
 
 
-@click.command()
+@click.command(short_help="Train one mode: single, dp or ddp.")
 @params_option
 @click.option("--mode", type=click.Choice(MODES), help="single, dp (DataParallel) or ddp.")
 @click.option("--mode-of-dvc-stage", "from_stage", is_flag=True,
@@ -291,7 +298,7 @@ def stage_mode() -> str:
 
 def check_output_folders(mode: str) -> None:
     """Before any work: training is lost if it cannot be saved."""
-    for folder in (model_dir(mode), METRICS_DIR, CURVES_DIR):
+    for folder in (model_dir(mode), RESULTS_DIR, CURVES_DIR, STEPS_DIR):
         writable_folder(folder)
 
 

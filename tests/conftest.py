@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
 VENV_BIN = Path(sys.executable).parent
 # What a project copy needs to run its stages: the code and the DVC/params files.
-PROJECT_FILES = ("pipeline", "stages", "deploy", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", ".dvc/config")
+PROJECT_FILES = ("pipeline", "stages", "deploy", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", ".dvc/config", ".dvc/plots")
 
 
 def find_mnist(environ: dict[str, str]) -> Path:

@@ -67,7 +67,7 @@ P2P_CALLS = {"send": ("send", "dst", 1), "recv": ("recv", "src", 1), "isend": ("
              "irecv": ("recv", "src", 1)}
 COLLECTIVES = {"broadcast": ("src", 1), "reduce": ("dst", 1), "all_reduce": None, "all_gather": None,
                "all_gather_into_tensor": None, "gather": ("dst", 2), "scatter": ("src", 2),
-               "reduce_scatter": None, "reduce_scatter_tensor": None, "all_to_all": None,
+               "reduce_scatter": None, "reduce_scatter_tensor": None, "reduce_scatter_single": None, "all_to_all": None,
                "all_to_all_single": None, "barrier": None, "broadcast_object_list": ("src", 1),
                "all_gather_object": None, "gather_object": ("dst", 2), "scatter_object_list": ("src", 2)}
 

@@ -32,7 +32,10 @@ def commcheck(project, nproc, check=True, budget_s=0, **env):
 def test_every_primitive_passes_and_is_recorded(project, nproc):
     result = commcheck(project, nproc)
     assert f"all {len(PRIMITIVES)} primitives passed on {nproc} ranks (gloo)" in result.stdout
-    report = json.loads((project / "metrics/comm.json").read_text())
+    # One line on the terminal, the timings in the file: the table is for -v.
+    assert "bytes/rank" not in result.stdout and "results/comm.json (-v prints them)" in result.stdout
+    assert "Warning" not in result.stderr, result.stderr  # no library's deprecation notice reaches the user
+    report = json.loads((project / "results/comm.json").read_text())
     assert report["passed"] and report["world_size"] == nproc and report["backend"] == "gloo"
     assert set(report["primitives"]) == set(PRIMITIVES)
     swept = {(row["primitive"], row["bytes"]) for row in report["sweep"]}
@@ -52,11 +55,11 @@ def test_every_primitive_passes_and_is_recorded(project, nproc):
 def test_a_time_budget_stops_every_rank_at_the_same_size(project):
     # A budget no size fits: each primitive is checked and timed at the smallest size only, and
     # the ranks agree on that (had one gone on alone, the others would hang in their next collective).
-    result = commcheck(project, 2, budget_s=1e-9)
+    result = commcheck(project, 2, budget_s=1e-9, MNIST_PIPELINE_VERBOSE="1")  # as `mnist-pipeline -v`
     assert f"all {len(PRIMITIVES)} primitives passed on 2 ranks (gloo)" in result.stdout
     assert "the sweep stopped short of max_bytes (4096) to stay within commcheck.budget_s = 1e-09 s" \
         in result.stdout
-    report = json.loads((project / "metrics/comm.json").read_text())
+    report = json.loads((project / "results/comm.json").read_text())
     assert sorted((row["primitive"], row["bytes"]) for row in report["sweep"]) == sorted(
         (primitive, 0 if primitive == "barrier" else 4) for primitive in PRIMITIVES)
     assert {report["primitives"][p]["largest_bytes"] for p in PRIMITIVES if p != "barrier"} == {4}
@@ -71,14 +74,14 @@ def test_one_rank_checks_the_collectives_and_says_point_to_point_needs_two(proje
 
 
 def test_a_corrupted_rank_is_caught_and_named(project):
-    (project / "metrics/comm.json").unlink(missing_ok=True)
+    (project / "results/comm.json").unlink(missing_ok=True)
     result = commcheck(project, 4, check=False, MNIST_PIPELINE_CORRUPT="all_reduce:2")
     assert result.returncode == 1
     assert "commcheck: all_reduce failed on 4 of 4 ranks (gloo)" in result.stderr
     # Element 0 of rank r is r + 1, so it sums to 1 + 2 + 3 + 4 = 10; rank 2 sent one too many.
     assert "rank 0 expected 10 at element 0 of a 4-byte message, got 11" in result.stderr
     assert "broadcast failed" not in result.stderr  # the other primitives still pass
-    assert not (project / "metrics/comm.json").exists()
+    assert not (project / "results/comm.json").exists()
 
 
 def test_a_corrupted_point_to_point_link_names_the_receiver(project):
@@ -190,3 +193,35 @@ def test_commcheck_run_has_a_child_per_rank_with_its_timings(project):
     for child in children:
         for primitive in PRIMITIVES:
             assert client.get_metric_history(child.info.run_id, f"{primitive}_time_us"), primitive
+
+
+def test_verbose_prints_the_timings(project):
+    result = run(["mnist-pipeline", "-v", "commcheck"], project, **project_env(project))
+    table = [line for line in result.stdout.splitlines() if line.split()[:1] and line.split()[0] in PRIMITIVES]
+    assert "bytes/rank" in result.stdout and {line.split()[0] for line in table} == set(PRIMITIVES)
+
+
+def test_nothing_to_check_without_ddp(project):
+    """With ddp not in train.modes no mode uses torch.distributed: no worker starts, and the last
+    verdict stays (nothing retrains for it)."""
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"]["modes"] = ["single", "dp"]
+    (project / "params-no-ddp.yaml").write_text(yaml.safe_dump(params))
+    commcheck(project, 2)
+    verdict = (project / "checks/comm.json").read_text()
+    result = run(["mnist-pipeline", "commcheck", "--params", "params-no-ddp.yaml"], project, **project_env(project))
+    assert "nothing to check (ddp is not in train.modes" in result.stdout and "launching" not in result.stdout
+    assert (project / "checks/comm.json").read_text() == verdict
+    assert json.loads((project / "results/comm.json").read_text())["enabled"] is False
+
+
+def test_a_batch_ddp_cannot_split_fails_before_any_training(project):
+    """commcheck runs before the first training: a setting only ddp cannot use stops the pipeline
+    there, not after single and dp have trained."""
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"].update(batch_size=2, nproc=3)
+    (project / "params-tiny-batch.yaml").write_text(yaml.safe_dump(params))
+    result = run(["mnist-pipeline", "commcheck", "--params", "params-tiny-batch.yaml"], project, check=False,
+                 **project_env(project))
+    assert result.returncode == 1 and "launching" not in result.stdout
+    assert "ddp (in train.modes): train.batch_size = 2 is smaller than the 3 DDP ranks" in result.stderr

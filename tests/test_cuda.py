@@ -112,7 +112,7 @@ def test_nccl_commcheck_over_every_gpu(gpu_project):
 
 def test_single_on_the_gpu_trains_channels_last_and_saves_portable_files(gpu_project):
     train_cli(gpu_project, "single")
-    summary = json.loads((gpu_project / "metrics/train/single.json").read_text())
+    summary = json.loads((gpu_project / "results/train/single.json").read_text())
     assert summary["device"] == "cuda"
     state = torch.load(gpu_project / "models/single/checkpoint.pt", weights_only=True)
     tensors = list(state["model"].values())
@@ -123,7 +123,7 @@ def test_ddp_on_every_gpu_agrees_with_single(gpu_project):
     result = train_cli(gpu_project, "ddp")
     count = torch.cuda.device_count()
     assert f"launching {count} workers" in result.stdout
-    summary = json.loads((gpu_project / "metrics/train/ddp.json").read_text())
+    summary = json.loads((gpu_project / "results/train/ddp.json").read_text())
     assert summary["backend"] == "nccl" and summary["world_size"] == count
     difference = relative_difference(load_weights(gpu_project, "single"), load_weights(gpu_project, "ddp"))
     print(f"relative |single - ddp| after 20 steps in float32 on {count} GPUs "
@@ -134,7 +134,7 @@ def test_ddp_on_every_gpu_agrees_with_single(gpu_project):
 def test_dataparallel_over_every_gpu_agrees_with_single(gpu_project):
     train_cli(gpu_project, "dp")
     count = torch.cuda.device_count()
-    assert json.loads((gpu_project / "metrics/train/dp.json").read_text())["dp_devices"] == count
+    assert json.loads((gpu_project / "results/train/dp.json").read_text())["dp_devices"] == count
     history = torch.load(gpu_project / "models/dp/checkpoint.pt", weights_only=True)["history"]
     assert all(history[-1][f"gpu{i}_peak_memory_mb"] > 0 for i in range(count))
     difference = relative_difference(load_weights(gpu_project, "single"), load_weights(gpu_project, "dp"))
@@ -147,11 +147,11 @@ def test_bf16_keeps_float32_accuracy(gpu_project, tmp_path):
     if not torch.cuda.is_bf16_supported(including_emulation=False):
         pytest.skip("this GPU has no native bf16")
     train_cli(gpu_project, "ddp")  # float32, the project's setting
-    fp32 = json.loads((gpu_project / "metrics/train/ddp.json").read_text())["val_accuracy"]
+    fp32 = json.loads((gpu_project / "results/train/ddp.json").read_text())["val_accuracy"]
     bf16 = write_params(tmp_path / "bf16.yaml", data=SMALL["data"],
                         train={**SMALL["train"], "batch_size": 100, "nproc": 0, "bf16": True})
     train_cli(gpu_project, "ddp", "--params", str(bf16))
-    accuracy = json.loads((gpu_project / "metrics/train/ddp.json").read_text())["val_accuracy"]
+    accuracy = json.loads((gpu_project / "results/train/ddp.json").read_text())["val_accuracy"]
     print(f"ddp validation accuracy after 20 steps: bf16 {accuracy:.3f}, float32 {fp32:.3f}")
     assert abs(accuracy - fp32) < BF16_ACCURACY_TOLERANCE
 

@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -32,11 +33,11 @@ def test_repro_runs_every_stage(repro):
         assert result.stdout.count(f"Running stage '{stage}'") == 1, stage
     for mode in MODES:
         assert (project / "models" / mode / "model.pt").is_file()
-        assert json.loads((project / "metrics/train" / f"{mode}.json").read_text())["epochs"] == 2
+        assert json.loads((project / "results/train" / f"{mode}.json").read_text())["epochs"] == 2
         rows = (project / "plots/train" / f"{mode}.csv").read_text().splitlines()
         assert rows[0].startswith("epoch,train_loss") and len(rows) == 3
-        confusion = (project / "plots/eval" / mode / "confusion.csv").read_text().splitlines()
-        assert confusion[0] == "actual,predicted" and len(confusion) == 10_001
+        steps = (project / "plots/steps" / f"{mode}.csv").read_text().splitlines()
+        assert steps[0] == "step,epoch,train_loss" and len(steps) == 1 + 2 * 10  # 10 steps an epoch: windows of 1
         assert (project / "plots/confusion" / f"{mode}.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -80,26 +81,46 @@ def test_each_stage_depends_only_on_the_params_it_reads(repro):
         params.write_text(original)
 
 
-def test_metrics_show_has_every_mode(repro):
+def test_metrics_show_leads_with_test_accuracy(repro):
+    """What `dvc metrics show` holds: a person's comparison (at most 50 numbers), no strings, the
+    test set's accuracy in the first column, one row per mode."""
     project, env, _ = repro
     shown = json.loads(run(["dvc", "metrics", "show", "--json"], project, **env).stdout)
     files = next(iter(shown.values()))["data"]
+    assert sorted(files) == sorted(f"metrics/{mode}.json" for mode in MODES)
+    values = [value for file in files.values() for value in file["data"].values()]
+    assert len(values) <= 50 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
     for mode in MODES:
-        evaluation = files[f"metrics/eval/{mode}.json"]["data"]
-        assert 0.5 < evaluation["accuracy"] <= 1 and len(evaluation["per_class_accuracy"]) == 10
-        assert files[f"metrics/train/{mode}.json"]["data"]["mode"] == mode
+        numbers = files[f"metrics/{mode}.json"]["data"]
+        evaluation = json.loads((project / "results/eval" / f"{mode}.json").read_text())
+        assert numbers["accuracy"] == pytest.approx(evaluation["accuracy"]) and len(evaluation["per_class_accuracy"]) == 10
+    table = run(["dvc", "metrics", "show"], project, **env).stdout.splitlines()
+    assert table[0].split()[:2] == ["Path", "accuracy"], table[0]
+    assert [line.split()[0] for line in table[1:]] == sorted(f"metrics/{mode}.json" for mode in MODES)
 
 
-def test_plots_show_renders(repro, tmp_path):
+def test_plots_show_draws_every_mode_offline(repro, tmp_path):
+    """`dvc plots show` writes a page that loads nothing from the network (the Vega libraries are
+    in .dvc/plots/page.html), and Chromium, with every host name unresolvable, draws each mode's
+    curves on it."""
     project, env, _ = repro
     result = run(["dvc", "plots", "show", "--json"], project, **env)
     shown = json.loads(result.stdout)
     assert shown.get("errors") is None
-    for mode in MODES:
-        for path in (f"plots/train/{mode}.csv", f"plots/eval/{mode}/confusion.csv", f"plots/confusion/{mode}.png"):
-            assert path in shown["data"]
+    for name in ("reports/steps.csv", "Validation loss, per epoch", "Validation accuracy, per epoch",
+                 *(f"plots/confusion/{mode}.png" for mode in MODES), "reports/loss.png", "reports/throughput.png"):
+        assert name in shown["data"], name
     run(["dvc", "plots", "show", "-o", str(tmp_path / "html")], project, **env)
-    assert "vega" in (tmp_path / "html" / "index.html").read_text().lower()
+    page = (tmp_path / "html" / "index.html").read_text()
+    assert not re.findall(r"""(?:src|href)\s*=\s*["']?(?:https?:)?//""", page)  # no script, style or image from afar
+    dom = chromium_dom((tmp_path / "html" / "index.html").as_uri(), tmp_path, offline=True)
+    lines = re.findall(r'<g class="mark-line[^"]*"[^>]*>(.*?)</g>', dom, re.S)
+    # Three charts, each with a line per mode; the step chart's lines run through every window.
+    assert len(lines) == 3 * len(MODES), len(lines)
+    points = sorted(ds.count("L") for g in lines for ds in re.findall(r' d="([^"]*)"', g))
+    assert points.count(2 * 10 - 1) == len(MODES)  # the step chart: 2 epochs of 10 steps, a window each
+    for mode in MODES:
+        assert f"{mode}" in re.search(r"legend titled 'mode'[^\"]*", dom).group(0)
 
 
 def test_report_numbers_equal_the_metrics(repro):
@@ -108,12 +129,12 @@ def test_report_numbers_equal_the_metrics(repro):
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
             for line in report.splitlines() if re.match(r"\| (single|dp|ddp) \|", line)}
     assert set(rows) == set(MODES)
-    single = json.loads((project / "metrics/train/single.json").read_text())
+    single = json.loads((project / "results/train/single.json").read_text())
     # 10 steps an epoch, all of them warm-up (train.throughput_warmup_steps): whole-epoch speed-ups.
     assert single["steady_samples_per_s"] is None and single["warmup_steps"] == 10
     for mode in MODES:
-        train = json.loads((project / "metrics/train" / f"{mode}.json").read_text())
-        evaluation = json.loads((project / "metrics/eval" / f"{mode}.json").read_text())
+        train = json.loads((project / "results/train" / f"{mode}.json").read_text())
+        evaluation = json.loads((project / "results/eval" / f"{mode}.json").read_text())
         row = rows[mode]
         world = f"{train['world_size']} ({train['nodes']} × {train['procs_per_node']})" if mode == "ddp" \
             else str(train["world_size"])
@@ -123,7 +144,7 @@ def test_report_numbers_equal_the_metrics(repro):
         assert row[9] == f"{train['train_time_s']:.1f}"
         assert row[10] == f"{evaluation['accuracy']:.2%}"
     assert "bare module" in rows["dp"][3] and "DataParallel ran on a CPU-only host" in report
-    for png in ("throughput.png", "val_loss.png"):
+    for png in ("throughput.png", "loss.png"):
         assert (project / "reports" / png).read_bytes()[:4] == b"\x89PNG"
 
 
@@ -137,7 +158,8 @@ def test_exp_run_makes_a_new_experiment(repro):
     revs = [rev for exp in experiments if exp["name"] == "three-epochs" for rev in exp["revs"]]
     data = revs[0]["data"]
     assert data["params"]["params.yaml"]["data"]["train"]["epochs"] == 3
-    assert data["metrics"]["metrics/train/ddp.json"]["data"]["epochs"] == 3
+    assert data["metrics"]["metrics/ddp.json"]["data"]["accuracy"] > 0.5
+    assert json.loads((project / "results/train/ddp.json").read_text())["epochs"] == 3
 
 
 @pytest.mark.parametrize("damage", ["missing", "corrupt"])
@@ -145,7 +167,7 @@ def test_evaluate_names_a_missing_or_corrupt_model(tmp_path, repro, damage):
     project, env, _ = repro
     model = project / "models/single/model.pt"
     saved = model.read_bytes()
-    written = {path: path.stat().st_mtime_ns for path in (project / "metrics/eval").iterdir()}
+    written = {path: path.stat().st_mtime_ns for path in (project / "results/eval").iterdir()}
     try:
         if damage == "missing":
             model.unlink()
@@ -157,7 +179,7 @@ def test_evaluate_names_a_missing_or_corrupt_model(tmp_path, repro, damage):
             in result.stderr
         assert "Traceback" not in result.stderr
         # The models are all loaded before anything is written: the other modes' results are untouched.
-        assert {path: path.stat().st_mtime_ns for path in (project / "metrics/eval").iterdir()} == written
+        assert {path: path.stat().st_mtime_ns for path in (project / "results/eval").iterdir()} == written
     finally:
         model.write_bytes(saved)
 
@@ -173,7 +195,7 @@ def test_each_mode_run_holds_the_numbers_compared_under_one_name(repro):
         for name in ("test_accuracy", "speedup_over_single", "scaling_efficiency", "total_train_time_s",
                      "mean_samples_per_s"):
             assert name in metrics, (mode, name)
-        train = json.loads((project / "metrics/train" / f"{mode}.json").read_text())
+        train = json.loads((project / "results/train" / f"{mode}.json").read_text())
         assert metrics["total_train_time_s"] == pytest.approx(train["train_time_s"])
     single = json.loads((project / "models/single/mlflow_run.json").read_text())
     assert client.get_run(single["parent"]).data.metrics["speedup_over_single"] == 1.0
@@ -184,13 +206,16 @@ def test_each_mode_run_holds_the_numbers_compared_under_one_name(repro):
     assert {a.path for a in client.list_artifacts(compare.info.run_id)} >= {"comparison.md"}
 
 
-def chromium_dom(url: str, tmp_path, screenshot=None) -> str:
-    """The page as headless Chromium renders it, after its scripts have fetched the runs."""
+def chromium_dom(url: str, tmp_path, screenshot=None, offline=False) -> str:
+    """The page as headless Chromium renders it, after its scripts have fetched the runs
+    (`offline`: with no host name resolving, so that nothing can come from the network)."""
     browser = shutil.which("chromium")
     if browser is None:
         pytest.fail("chromium is missing; `make test` installs it (scripts/test-deps.sh)")
     common = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
               f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=20000", "--window-size=1400,900"]
+    if offline:
+        common.append("--host-resolver-rules=MAP * ~NOTFOUND")
     if screenshot is not None:
         subprocess.run([*common, f"--screenshot={screenshot}", url], capture_output=True, timeout=120)
     proc = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120)
@@ -243,7 +268,8 @@ def test_the_printed_link_opens_the_training_runs_in_a_real_browser(repro, tmp_p
         compare_link = re.search(r"MLflow: every number compared at (\S+)", result.stdout).group(1)
         # The runs it names are that repro's three mode runs (later tests here train others).
         client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-        runs = [client.get_run(run_id) for run_id in re.findall(r'"([0-9a-f]{32})"', compare_link)]
+        assert not set('[]"') & set(compare_link)  # encoded, so a terminal's link runs to its end
+        runs = [client.get_run(run_id) for run_id in re.findall(r'"([0-9a-f]{32})"', urllib.parse.unquote(compare_link))]
         assert sorted(r.info.run_name for r in runs) == sorted(MODES)
         compare_page = chromium_dom(compare_link.replace("http://127.0.0.1:5000", base), tmp_path,
                                     Path(shots) / "mlflow-compare.png" if shots else None)
@@ -269,10 +295,10 @@ def test_repro_at_a_world_size_that_does_not_divide_the_batch(repro, nproc):
     params.write_text(yaml.safe_dump(raw, sort_keys=False))
     result = run(["dvc", "repro"], project, **env)  # fails if a mode misses evaluate's quality gate
     assert "Running stage 'train@ddp'" in result.stdout
-    summary = json.loads((project / "metrics/train/ddp.json").read_text())
+    summary = json.loads((project / "results/train/ddp.json").read_text())
     assert summary["world_size"] == nproc
     assert summary["batch_shares"] == {3: "43/43/42", 5: "26/26/26/25/25"}[nproc]
-    accuracy = {mode: json.loads((project / "metrics/eval" / f"{mode}.json").read_text())["accuracy"]
+    accuracy = {mode: json.loads((project / "results/eval" / f"{mode}.json").read_text())["accuracy"]
                 for mode in MODES}
     assert abs(accuracy["ddp"] - accuracy["single"]) < 0.02  # the same batches, up to rounding
     report = (project / "reports/comparison.md").read_text()

@@ -54,7 +54,7 @@ def test_the_quality_gate_fails_evaluate_on_a_broken_model(project):
     assert result.returncode == 1
     assert "is below evaluate.min_test_accuracy = 50.00%: the model is broken or undertrained" in result.stderr
     assert "Traceback" not in result.stderr
-    accuracy = json.loads((project / "metrics/eval/single.json").read_text())["accuracy"]
+    accuracy = json.loads((project / "results/eval/single.json").read_text())["accuracy"]
     assert accuracy < 0.5
 
 

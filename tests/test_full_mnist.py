@@ -13,7 +13,7 @@ MODES = ("single", "dp", "ddp")
 def test_every_mode_reaches_99_percent_and_they_agree(tmp_path, mnist_dir):
     project = make_project(tmp_path / "full")
     run(["dvc", "repro"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
-    accuracy = {m: json.loads((project / "metrics/eval" / f"{m}.json").read_text())["accuracy"] for m in MODES}
+    accuracy = {m: json.loads((project / "results/eval" / f"{m}.json").read_text())["accuracy"] for m in MODES}
     print("test accuracy per mode:", accuracy)
     assert min(accuracy.values()) >= 0.990
     assert max(accuracy.values()) - min(accuracy.values()) <= 0.003

@@ -138,7 +138,7 @@ def node_dirs(project: Path, root: Path) -> list[Path]:
     dirs = []
     for name in ("node-a", "node-b"):
         dirs.append(shutil.copytree(project, root / name, ignore=shutil.ignore_patterns(
-            "models", "mlflow.db*", "mlartifacts", "metrics", "plots")))
+            "models", "mlflow.db*", "mlartifacts", "metrics", "results", "plots")))
     return dirs
 
 
@@ -189,7 +189,7 @@ def test_ddp_on_two_hosts_matches_single_and_logs_every_rank_to_one_server(hosts
     main = rank0_dir(dirs)
     assert relative_difference(load_weights(small_project, "single"), load_weights(main, "ddp")) < 1e-3
 
-    summary = json.loads((main / "metrics/train/ddp.json").read_text())
+    summary = json.loads((main / "results/train/ddp.json").read_text())
     assert (summary["world_size"], summary["nodes"], summary["procs_per_node"]) == (2, 2, 1)
     for folder in dirs:  # the server has it all: no node made a store of its own
         assert not (folder / "mlflow.db").exists() and not (folder / "mlartifacts").exists()
@@ -394,7 +394,7 @@ def test_dvc_repro_submits_ddp_to_slurm_and_waits(hosts, slurm, tracking_server,
     assert "2 node(s) x 1 worker(s), rendezvous node-a" in job_log.read_text()
     assert "GPUs per node: none asked for" in job_log.read_text()  # train.device: auto asks for none
 
-    summary = json.loads((project / "metrics/train/ddp.json").read_text())
+    summary = json.loads((project / "results/train/ddp.json").read_text())
     assert (summary["nodes"], summary["procs_per_node"]) == (2, 1)
     # commcheck went the same way: it checked the link between the hosts that training then used.
     verdict = json.loads((project / "checks/comm.json").read_text())

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import (SMALL, VENV_BIN, free_port, idx_bytes, make_project, project_env, run,
                             start_mlflow_server, stop_mlflow_server, subprocess_env, train_cli, write_tiny_mnist)
@@ -280,3 +281,15 @@ def test_a_rendezvous_error_reaches_the_user_as_one_line_naming_the_rank():
                 os.environ.pop(key)
     assert message.startswith("rank 1: torch.distributed could not reach the other ranks through 127.0.0.1:1")
     assert "\n" not in message and "MNIST_PIPELINE_DEBUG=1" in message
+
+
+def test_a_setting_only_ddp_cannot_use_fails_the_first_mode(project):
+    """With ddp in train.modes, train@single refuses a global batch smaller than DDP's ranks: found
+    in seconds, not after single and dp have trained."""
+    before = plant_previous_training(project, "single")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"].update(batch_size=2, nproc=3, modes=["single", "dp", "ddp"])
+    (project / "params-tiny-batch.yaml").write_text(yaml.safe_dump(params))
+    result = train_cli(project, "single", "--params", "params-tiny-batch.yaml", check=False)
+    assert_refused_and_untouched(project, "single", before, result,
+                                 "ddp (in train.modes): train.batch_size = 2 is smaller than the 3 DDP ranks")

@@ -33,7 +33,7 @@ def test_ddp_matches_single_and_ranks_stay_in_sync(small_project):
     difference = relative_difference(single, ddp)
     print(f"after 20 steps: relative |single - ddp| {difference:.2e}, max {max_abs_diff(single, ddp):.2e}")
     assert difference < 1e-3
-    summary = json.loads((small_project / "metrics/train/ddp.json").read_text())
+    summary = json.loads((small_project / "results/train/ddp.json").read_text())
     assert summary["world_size"] == 2 and summary["backend"] == "gloo" and summary["batch_shares"] == "50/50"
 
 
@@ -41,7 +41,7 @@ def test_dp_on_cpu_is_the_bare_module_and_matches_single(small_project):
     dp = train_cli(small_project, "dp")
     assert "bare module" in dp.stderr
     assert max_abs_diff(load_weights(small_project, "single"), load_weights(small_project, "dp")) == 0.0
-    assert json.loads((small_project / "metrics/train/dp.json").read_text())["dp_devices"] == 1
+    assert json.loads((small_project / "results/train/dp.json").read_text())["dp_devices"] == 1
 
 
 def test_every_rank_holds_the_same_weights_after_every_epoch(small_project):
@@ -130,7 +130,7 @@ def test_a_resume_at_an_odd_world_size_ends_with_the_uninterrupted_weights(small
     params = write_params(tmp_path / "params.yaml", **{"train": {**SMALL["train"], "nproc": 3}})
     train_cli(small_project, "ddp", "--params", str(params))
     reference = load_weights(small_project, "ddp")
-    assert json.loads((small_project / "metrics/train/ddp.json").read_text())["batch_shares"] == "34/33/33"
+    assert json.loads((small_project / "results/train/ddp.json").read_text())["batch_shares"] == "34/33/33"
     proc = run(["torchrun", "--standalone", "--nproc-per-node", "3", "--max-restarts", "1",
                 "-m", "stages", "train", "--mode", "ddp", "--params", str(params)], small_project,
                **project_env(small_project, MNIST_PIPELINE_CRASH_AFTER_EPOCH="1"))

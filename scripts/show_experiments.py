@@ -1,0 +1,72 @@
+"""`make show`: every experiment DVC knows, one row per mode, with what a person compares.
+
+`dvc exp show` lists every param and metric (one column per mode and key, far wider than a
+terminal); this reads its JSON and keeps the params that change a training and the four numbers
+that answer "which mode, and what did it buy". `make show ARGS=-A` passes arguments to it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+MODES = ("single", "dp", "ddp")  # pipeline.config's order; this script runs without the package
+PARAMS = ("train.model", "train.epochs", "train.batch_size", "train.lr", "train.nproc", "train.device")
+COLUMNS = (("accuracy", "test acc", "{:.2%}"), ("samples_per_s", "samples/s", "{:,.0f}"),
+           ("speedup", "speed-up", "{:.2f}x"), ("train_time_s", "train time", "{:.1f} s"))
+
+
+def rows(shown: list[dict]) -> list[dict]:
+    """(experiment, its params and metrics) for the workspace, each commit and its experiments."""
+    found = []
+    for commit in shown:
+        entries = [(commit["rev"] if commit["rev"] == "workspace" else commit.get("name") or commit["rev"][:7],
+                    commit.get("data") or {})]
+        for experiment in commit.get("experiments") or []:
+            for rev in experiment.get("revs") or []:
+                entries.append((f"  {experiment.get('name') or rev['rev'][:7]}", rev.get("data") or {}))
+        for name, data in entries:
+            params = (data.get("params") or {}).get("params.yaml", {}).get("data", {})
+            metrics = {path: value.get("data", {}) for path, value in (data.get("metrics") or {}).items()}
+            found.append({"name": name, "params": params, "metrics": metrics})
+    return found
+
+
+def param(params: dict, dotted: str) -> str:
+    value = params
+    for key in dotted.split("."):
+        value = value.get(key, {}) if isinstance(value, dict) else {}
+    return "-" if value == {} else str(value)
+
+
+def table(found: list[dict]) -> str:
+    header = ["experiment", *(p.split(".")[1] for p in PARAMS), "mode", *(title for _, title, _ in COLUMNS)]
+    lines = []
+    for entry in found:
+        by_mode = {path.rsplit("/", 1)[-1].removesuffix(".json"): numbers for path, numbers in entry["metrics"].items()
+                   if path.endswith(".json")}
+        modes = sorted(by_mode.items(), key=lambda item: MODES.index(item[0]) if item[0] in MODES else len(MODES))
+        settings = [param(entry["params"], p) for p in PARAMS]
+        for i, (mode, numbers) in enumerate(modes or [("-", {})]):
+            cells = [entry["name"] if i == 0 else "", *(settings if i == 0 else [""] * len(settings)), mode]
+            cells += [fmt.format(numbers[key]) if isinstance(numbers.get(key), (int, float)) else "-"
+                      for key, _, fmt in COLUMNS]
+            lines.append(cells)
+    widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
+    text = [" ".join(str(cell).ljust(w) if i <= len(PARAMS) + 1 else str(cell).rjust(w)
+                     for i, (cell, w) in enumerate(zip(row, widths))) for row in [header, *lines]]
+    return "\n".join(line.rstrip() for line in text)
+
+
+def main(args: list[str]) -> int:
+    proc = subprocess.run(["dvc", "exp", "show", "--json", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
+        return proc.returncode
+    print(table(rows(json.loads(proc.stdout))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
