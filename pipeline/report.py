@@ -71,9 +71,9 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
             "scaling_efficiency": speedup / r.devices if speedup is not None else None,
             "train_time_s": r.train["train_time_s"],
             "test_accuracy": r.eval["accuracy"],
-            "test_loss": r.eval["loss"],
-            "val_accuracy": r.train["val_accuracy"],
-            "val_loss": r.train["val_loss"],
+            "test_loss": r.eval.get("loss"),  # older results lack these
+            "val_accuracy": r.train.get("val_accuracy"),
+            "val_loss": r.train.get("val_loss"),
         })
     return rows
 

@@ -1,12 +1,16 @@
 """The comparison table for a DDP run that spanned machines."""
 
-from pipeline.report import ModeResult, comparison_rows, markdown
+import csv
+import io
+
+from pipeline.loop import loss_windows
+from pipeline.report import ModeResult, comparison_rows, console_table, markdown, mode_metrics, modes_csv
 
 
 def result(mode: str, samples_per_s: float, **train) -> ModeResult:
     base = {"world_size": 1, "device": "cpu", "device_name": "cpu (2 cores)", "dp_devices": 1, "epochs": 2,
             "samples_per_s": samples_per_s, "train_time_s": 10.0}
-    return ModeResult(mode, {**base, **train}, {"accuracy": 0.98}, [])
+    return ModeResult(mode, {**base, **train}, {"accuracy": 0.98}, [], [])
 
 
 def test_a_multi_node_ddp_run_shows_nodes_times_processes_and_counts_each_machine():
@@ -50,3 +54,38 @@ def test_speedups_compare_the_steady_state_when_every_mode_has_one():
     results[1].train["steady_samples_per_s"] = None  # an epoch no longer than the warm-up
     rows = comparison_rows(results)
     assert [r["speedup"] for r in rows] == [1.0, 1.5] and "over whole epochs" in markdown(rows, results)
+
+
+def test_the_metrics_dvc_compares_are_numbers_led_by_test_accuracy():
+    results = [result("single", 1000.0, steady_samples_per_s=1100.0, val_accuracy=0.97, val_loss=0.1),
+               result("ddp", 900.0, steady_samples_per_s=1650.0, world_size=2, val_accuracy=0.97, val_loss=0.1)]
+    rows = comparison_rows(results)
+    single, ddp = (mode_metrics(row) for row in rows)
+    # DVC sorts columns by name: the test set's accuracy and loss come first.
+    assert sorted(ddp)[0] == "accuracy" and ddp["accuracy"] == 0.98 and "loss" not in ddp  # no test loss given
+    assert ddp["samples_per_s"] == 1650.0 and ddp["speedup"] == 1.5  # the steady figure the speed-up divides
+    assert all(isinstance(v, (int, float)) for v in (*single.values(), *ddp.values()))
+    lines = console_table(rows).splitlines()
+    assert len(lines) == 3 and lines[2].split() == ["ddp", "98.00%", "1,650", "1.50x", "10.0", "s"]
+
+
+def test_without_single_there_is_no_speedup_and_nothing_breaks():
+    rows = comparison_rows([result("ddp", 900.0, world_size=2)])
+    assert "speedup" not in mode_metrics(rows[0]) and "n/ax" in console_table(rows)
+
+
+def test_every_modes_curve_in_one_table():
+    a = ModeResult("single", {}, {}, [], [{"step": 5.0, "epoch": 1.0, "train_loss": 1.5}])
+    b = ModeResult("ddp", {}, {}, [], [{"step": 5.0, "epoch": 1.0, "train_loss": 1.25}])
+    rows = list(csv.DictReader(io.StringIO(modes_csv([a, b], "steps", ("step", "epoch", "train_loss")))))
+    assert rows == [{"mode": "single", "step": "5", "epoch": "1", "train_loss": "1.5"},
+                    {"mode": "ddp", "step": "5", "epoch": "1", "train_loss": "1.25"}]
+
+
+def test_loss_windows_are_means_over_the_global_batches():
+    # 45 steps: windows of ceil(45 / 20) = 3 steps, the last one of 45 - 42 = 3; a shorter last batch
+    # weighs by its samples, so a window's loss is the mean over its samples.
+    sums, lens = [2.0 * 10] * 44 + [1.0 * 4], [10] * 44 + [4]
+    windows = loss_windows(sums, lens, first_step=101)
+    assert len(windows) == 15 and windows[0] == [103, 2.0] and windows[-1][0] == 145
+    assert windows[-1][1] == (2.0 * 20 + 1.0 * 4) / 24
