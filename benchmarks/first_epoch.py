@@ -40,7 +40,7 @@ def epoch_times(project: Path, env: dict, tracking: dict) -> tuple[float, float]
     subprocess.run(["mnist-pipeline", "train", "--mode", "single"], cwd=project, env=env, check=True,
                    capture_output=True)
     with (project / "plots/train/single.csv").open() as handle:
-        first, second = (float(row["train_time_s"]) for row in csv.DictReader(handle))
+        first, second = (float(row["epoch_time_s"]) for row in csv.DictReader(handle))
     return first, second
 
 

@@ -53,7 +53,7 @@ def copy_project(dest: Path, rev: str | None = None) -> Path:
                 (dest / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / name, dest / name)
     # Clean state: no outputs, and no dvc.lock that could let DVC skip a stage.
-    for generated in ("metrics", "plots", "reports", "checks", "dvc.lock"):
+    for generated in ("metrics", "results", "plots", "reports", "checks", "dvc.lock"):
         target = dest / generated
         shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
     git = ["git", "-c", "user.name=bench", "-c", "user.email=bench@localhost"]

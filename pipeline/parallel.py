@@ -228,10 +228,11 @@ def ddp_layout(train) -> tuple[int, int]:
     return workers, train.nodes if train.launcher == "slurm" else 1
 
 
-def check_every_mode(train) -> None:
+def check_every_mode(train, mode: str | None = None) -> None:
     """What would fail a later mode fails before the first training (commcheck, then every train
-    stage): found in seconds, not after the modes before it trained for hours."""
-    if "ddp" in train.modes:
+    stage): found in seconds, not after the modes before it trained for hours. `mode`: the one
+    about to train, checked whether train.modes lists it or not (`train --mode ddp` by hand)."""
+    if "ddp" in train.modes or mode == "ddp":
         workers, nodes = ddp_layout(train)
         try:
             check_world_size(train.batch_size, workers * nodes)

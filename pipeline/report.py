@@ -104,8 +104,10 @@ def mode_metrics(row: dict) -> dict:
 def console_table(rows: list[dict]) -> str:
     """The comparison in a terminal's width: what `dvc repro` ends with."""
     lines = [f"{'mode':<7} {'test accuracy':>13} {'samples/s':>10} {'speed-up':>9} {'training time':>14}"]
-    lines += [f"{r['mode']:<7} {r['test_accuracy']:>13.2%} {r[r['speedup_from']]:>10,.0f} "
-              f"{_fmt(r['speedup'], '>8.2f')}x {r['train_time_s']:>12.1f} s" for r in rows]
+    for r in rows:
+        speedup = f"{'n/a':>9}" if r["speedup"] is None else f"{r['speedup']:>8.2f}x"
+        lines.append(f"{r['mode']:<7} {r['test_accuracy']:>13.2%} {r[r['speedup_from']]:>10,.0f} {speedup} "
+                     f"{r['train_time_s']:>12.1f} s")
     return "\n".join(lines)
 
 

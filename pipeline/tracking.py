@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from pipeline.config import MODES, TrackingConfig
+from pipeline.config import MODES, TrackingConfig, load_config
 from pipeline.errors import PipelineError
 from pipeline.lifecycle import stop_signals_unwind
 
@@ -718,18 +718,31 @@ def _experiment_id(client, name: str, uri: str) -> str:
 def print_ui_link() -> None:
     """For `make ui`: the links to the last training in this checkout: its runs, every mode side
     by side, and each distributed mode's ranks side by side."""
-    trained = {path.parent.name: json.loads(path.read_text()) for path in sorted(Path("models").glob("*/mlflow_run.json"))}
+    trained = {}
+    for mode in listed_modes():  # a mode dropped from train.modes may have runs of another experiment
+        path = Path("models") / mode / "mlflow_run.json"
+        ids = json.loads(path.read_text()) if path.is_file() else {}
+        if ids.get("parent"):  # {}: trained with tracking off
+            trained[mode] = ids
     if not trained:
-        print(f"MLflow UI: {UI_DEFAULT} (nothing trained yet: make run)")
+        print(f"MLflow UI: {UI_DEFAULT} (nothing tracked yet: make run)")
         return
     experiment = next(iter(trained.values()))["experiment_id"]
     print(f"MLflow: the mode runs side by side at {ui_link(experiment)}")
-    modes = [mode for mode in MODES if mode in trained]
+    modes = [mode for mode in trained if trained[mode]["experiment_id"] == experiment]
     print(f"MLflow: the last training's modes compared at {compare_link(experiment, [trained[m]['parent'] for m in modes])}")
     for mode in modes:
         ranks = trained[mode].get("children", {})
         if len(ranks) > 1:
             print(f"MLflow: the {mode} ranks compared at {compare_link(experiment, ranks.values())}")
+
+
+def listed_modes() -> tuple[str, ...]:
+    """params.yaml's train.modes; every mode where it cannot be read (make ui is no place to fail)."""
+    try:
+        return load_config("params.yaml").train.modes
+    except Exception:
+        return MODES
 
 
 def _ui_base(uri: str | None) -> str:

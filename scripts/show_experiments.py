@@ -44,9 +44,10 @@ def table(found: list[dict]) -> str:
     header = ["experiment", *(p.split(".")[1] for p in PARAMS), "mode", *(title for _, title, _ in COLUMNS)]
     lines = []
     for entry in found:
-        by_mode = {path.rsplit("/", 1)[-1].removesuffix(".json"): numbers for path, numbers in entry["metrics"].items()
-                   if path.endswith(".json")}
-        modes = sorted(by_mode.items(), key=lambda item: MODES.index(item[0]) if item[0] in MODES else len(MODES))
+        # metrics/<mode>.json only: revisions from before it had other files (metrics/train/...).
+        by_mode = {path[len("metrics/"):-len(".json")]: numbers for path, numbers in entry["metrics"].items()
+                   if path in {f"metrics/{mode}.json" for mode in MODES}}
+        modes = sorted(by_mode.items(), key=lambda item: MODES.index(item[0]))
         settings = [param(entry["params"], p) for p in PARAMS]
         for i, (mode, numbers) in enumerate(modes or [("-", {})]):
             cells = [entry["name"] if i == 0 else "", *(settings if i == 0 else [""] * len(settings)), mode]

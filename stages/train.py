@@ -35,7 +35,8 @@ RESULTS_DIR = Path("results/train")
 CURVES_DIR = Path("plots/train")
 STEPS_DIR = Path("plots/steps")
 RUN_FILES = "run-files"  # in models/<mode>: what the parent run gets besides the model and checkpoint
-CURVE_COLUMNS = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "train_time_s")
+CURVE_COLUMNS = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "train_time_s",
+                 "epoch_time_s")  # epoch_time_s: with the validation
 
 
 def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: list[dict]) -> dict:
@@ -224,7 +225,7 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
         tracking.preflight(config.tracking)  # store, schema, host, account, experiment name
     if config.train.launcher == "local" or mode != "ddp":
         parallel.gpus_as_wanted(config.train.device)  # train.device: cuda without a GPU fails here
-    parallel.check_every_mode(config.train)
+    parallel.check_every_mode(config.train, mode)
     if mode == "ddp":
         # Fail here, before any worker starts, on what would fail in every worker.
         workers, nodes = parallel.ddp_layout(config.train)

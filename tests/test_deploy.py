@@ -75,7 +75,7 @@ def test_the_trainjob_runs_torchrun_on_the_runtime_it_names_with_what_nccl_and_o
     claim = volumes[mounts["/workspace/models"]]["persistentVolumeClaim"]["claimName"]
     assert claim == docs["PersistentVolumeClaim"]["metadata"]["name"]
     assert "ReadWriteMany" in docs["PersistentVolumeClaim"]["spec"]["accessModes"]
-    assert {"/workspace/data/prepared", "/workspace/models", "/workspace/metrics", "/workspace/plots"} <= set(mounts)
+    assert {"/workspace/data/prepared", "/workspace/models", "/workspace/results", "/workspace/plots"} <= set(mounts)
     (uri,) = [e for e in job["spec"]["trainer"]["env"] if e["name"] == "MLFLOW_TRACKING_URI"]
     assert "value" not in uri and uri["valueFrom"]["configMapKeyRef"]["key"] == "MLFLOW_TRACKING_URI"
     assert "WORKDIR /workspace\n" in (ROOT / "Dockerfile").read_text()  # where the mounts land
