@@ -14,7 +14,7 @@ mkdir -p "$(dirname "$page")"
   cat <<'HEAD'
 <!DOCTYPE html>
 <!-- The page `dvc plots show` fills with the charts, for offline use: made by scripts/plots-page.sh.
-     It holds vega, vega-lite and vega-embed (BSD-3-Clause, https://github.com/vega), the versions
+     It holds vega, vega-lite and vega-embed (BSD-3-Clause, by the Vega project), the versions
      DVC's own page loads from a CDN; it has no slot for DVC's script tags, so nothing is fetched. -->
 <html>
 <head>
