@@ -234,8 +234,8 @@ def share_loss(logits: torch.Tensor, labels: torch.Tensor, batch_len: int, world
 def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, global_batch: int,
               rank: Rank, clock: PhaseClock, show_bar: bool, desc: str, label_smoothing: float):
     """One pass over this rank's shares of the epoch's global batches; returns (loss sum, correct
-    count, each step's mean loss over this rank's share) still on the device, as a .item() per step
-    would sync every step, and each step's share length (0: this rank had no sample that step)."""
+    count, each step's loss summed over this rank's share) still on the device, as a .item() per
+    step would sync every step, and each step's share length (0: this rank had no sample that step)."""
     device = data.labels.device
     batches = global_batches(order, global_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -257,7 +257,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
         scheduler.step()
         clock.mark()
         loss_sum += sample_losses
-        losses[i] = sample_losses / max(1, len(idx))
+        losses[i] = sample_losses
         correct += (logits.detach().argmax(1) == labels).sum()
         shares.append(len(idx))
     if device.type == "cuda":
@@ -340,9 +340,8 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         steady_samples = sum(shares[config.throughput_warmup_steps:])
         # Each step's loss sum rides along in the epoch's one all_reduce: the loss curve of the
         # global batches (loss_windows), the same in every mode.
-        step_sums = losses.double() * losses.new_tensor(shares, dtype=torch.float64)
         sums = all_sum(torch.cat([torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples),
-                                               loss_sum.new_tensor(steady_samples)]), step_sums]), rank)
+                                               loss_sum.new_tensor(steady_samples)]), losses.double()]), rank)
         train_sums, step_sums = sums[:4], sums[4:].tolist()
         losses = losses.tolist()  # one copy per epoch
         check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
@@ -383,7 +382,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             "peak_memory_mb": peak_memory_mb(device),
             "weight_checksum": checksums[rank.rank],
             # A step in which this rank had no sample has no loss of its own to show.
-            "step_losses": [(first_step + i, value) for i, value in enumerate(losses)
+            "step_losses": [(first_step + i, value / shares[i]) for i, value in enumerate(losses)
                             if run.log_every_n_steps and (first_step + i) % run.log_every_n_steps == 0
                             and shares[i]],
         }

@@ -237,7 +237,7 @@ def check_every_mode(train, mode: str | None = None) -> None:
         try:
             check_world_size(train.batch_size, workers * nodes)
         except ConfigError as exc:
-            raise ConfigError(f"ddp (in train.modes): {exc}") from None
+            raise ConfigError(f"ddp{' (in train.modes)' if 'ddp' in train.modes else ''}: {exc}") from None
 
 
 def batch_shares(batch: int, world_size: int) -> list[int]:

@@ -741,7 +741,7 @@ def listed_modes() -> tuple[str, ...]:
     """params.yaml's train.modes; every mode where it cannot be read (make ui is no place to fail)."""
     try:
         return load_config("params.yaml").train.modes
-    except Exception:
+    except (PipelineError, OSError):
         return MODES
 
 

@@ -64,9 +64,6 @@ def evaluate(params_path: str, modes: tuple[str, ...], data_dir: str) -> None:
     float32_means_float32()  # the test numbers in plain float32, whatever precision trained the model
     results = {mode: evaluate_mode(config, mode, trained[mode], test, Path(data_dir)) for mode in modes}
 
-    if set(modes) == set(config.train.modes):
-        drop_unlisted_modes(config.train.modes)
-
     gate = config.evaluate.min_test_accuracy
     failed = [mode for mode, result in results.items() if result.accuracy < gate]
     if failed:
@@ -79,6 +76,8 @@ def evaluate(params_path: str, modes: tuple[str, ...], data_dir: str) -> None:
             f"{'the model is' if one else 'the models are'} broken or undertrained (see "
             + ", ".join(f"results/train/{mode}.json and {model_dir(mode) / 'logs'}" for mode in failed)
             + "); fix the training params, or lower the gate in params.yaml")
+    if set(modes) == set(config.train.modes):  # only once every listed mode passed the gate
+        drop_unlisted_modes(config.train.modes)
 
 
 def drop_unlisted_modes(listed: tuple[str, ...]) -> None:

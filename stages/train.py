@@ -77,18 +77,18 @@ def batch_shares_label(global_batch: int, mode: str, rank: parallel.Rank, device
     return str(global_batch)
 
 
-def curves_csv(history: list[dict]) -> str:
+def csv_text(rows: list[dict], columns: tuple[str, ...]) -> str:
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=CURVE_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer = csv.DictWriter(out, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
-    writer.writerows(history)
+    writer.writerows(rows)
     return out.getvalue()
 
 
-def steps_csv(history: list[dict]) -> str:
-    lines = ["step,epoch,train_loss"]
-    lines += [f"{int(step)},{m['epoch']},{loss!r}" for m in history for step, loss in m.get("loss_windows", ())]
-    return "\n".join(lines) + "\n"
+def step_rows(history: list[dict]) -> list[dict]:
+    """The training loss per window of steps, every epoch's (loop.loss_windows)."""
+    return [{"step": int(step), "epoch": m["epoch"], "train_loss": loss}
+            for m in history for step, loss in m.get("loss_windows", ())]
 
 
 def attach_rank_log(path: Path) -> Path:
@@ -164,8 +164,8 @@ def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.R
         "config": flatten(config),
     })
     write_json(RESULTS_DIR / f"{mode}.json", summarize(config, mode, rank, device, history))
-    write_text(curves, curves_csv(history))
-    write_text(STEPS_DIR / f"{mode}.csv", steps_csv(history))
+    write_text(curves, csv_text(history, CURVE_COLUMNS))
+    write_text(STEPS_DIR / f"{mode}.csv", csv_text(step_rows(history), ("step", "epoch", "train_loss")))
     write_json(run_ids_file(mode), runs.ids)
     # The run's files are uploaded from the mode's own folder only (tracking.op_checker): copies.
     run_files = out / RUN_FILES

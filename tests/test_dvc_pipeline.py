@@ -285,7 +285,7 @@ def test_the_printed_link_opens_the_training_runs_in_a_real_browser(repro, tmp_p
 def test_repro_at_a_world_size_that_does_not_divide_the_batch(repro, nproc):
     """The default global batch, 128, with `train.nproc: 3`, then `5`, and nothing else changed:
     DDP deals each batch out unevenly (43/43/42, 26/26/26/25/25), and every mode clears the gate.
-    It changes the module's project, so it stays the last test here."""
+    It changes the module's project, so it comes after every other test here but the last."""
     import yaml
 
     project, env, _ = repro
@@ -303,3 +303,25 @@ def test_repro_at_a_world_size_that_does_not_divide_the_batch(repro, nproc):
     assert abs(accuracy["ddp"] - accuracy["single"]) < 0.02  # the same batches, up to rounding
     report = (project / "reports/comparison.md").read_text()
     assert f"| ddp | {nproc} (1 × {nproc}) | {summary['batch_shares']} |" in report
+
+
+def test_a_mode_dropped_from_train_modes_leaves_no_results(repro):
+    """`train.modes: [single]`: DVC's views list single alone (the others' metrics, results and
+    curves are gone), their models stay, and commcheck, with no ddp to check for, starts no
+    workers. It changes the module's project for good, so it is the last test here."""
+    import yaml
+
+    project, env, _ = repro
+    params = project / "params.yaml"
+    raw = yaml.safe_load(params.read_text())
+    raw["train"]["modes"] = ["single"]
+    params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    result = run(["dvc", "repro"], project, **env)
+    assert "commcheck: nothing to check" in result.stdout and "launching" not in result.stdout
+    for folder, suffix in (("metrics", ".json"), ("results/train", ".json"), ("results/eval", ".json"),
+                           ("plots/train", ".csv"), ("plots/steps", ".csv")):
+        assert sorted(p.name for p in (project / folder).glob(f"*{suffix}")) == [f"single{suffix}"], folder
+    shown = json.loads(run(["dvc", "metrics", "show", "--json"], project, **env).stdout)
+    assert list(next(iter(shown.values()))["data"]) == ["metrics/single.json"]
+    assert {row.split(",")[0] for row in (project / "reports/steps.csv").read_text().splitlines()[1:]} == {"single"}
+    assert all((project / "models" / mode / "model.pt").is_file() for mode in MODES)
