@@ -10,7 +10,6 @@ import click
 
 from pipeline import __version__, malloc
 from pipeline.errors import PipelineError
-from stages.common import VERBOSE_ENV
 
 DEBUG_ENV = "MNIST_PIPELINE_DEBUG"  # =1: every error also shows its traceback
 
@@ -103,6 +102,8 @@ def main(verbose: bool) -> None:
 
     Each command is one DVC stage (dvc.yaml), reading its settings from params.yaml."""
     if verbose:  # the workers a stage starts inherit it
+        from stages.common import VERBOSE_ENV  # only then: this module imports no stage's code
+
         os.environ[VERBOSE_ENV] = "1"
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # Before any tensor: every step then reuses memory the process has (see pipeline.malloc).

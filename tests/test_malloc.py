@@ -33,7 +33,7 @@ for _ in range(int(sys.argv[2])):
     torch.ones(1 << 24)
 print(first, faults() - before)
 """
-REPEATS = 10
+REPEATS = 20
 
 
 def page_faults(setup: str) -> tuple[int, int]:
@@ -49,6 +49,7 @@ def test_freed_memory_is_reused_under_the_cli():
     default_first, default = page_faults("none")
     assert kept_first > 0 and default_first > 0
     # Default: every 64 MB tensor faults its pages in again. Kept: the pages of the first ones
-    # serve the rest; now and then the heap grows once or twice more, as blocks fall on it.
+    # serve the rest; now and then the heap grows again as blocks fall on it (0 to 5 times in 20
+    # on a busy 2-core machine, however many tensors follow), so most must fault nothing.
     assert default >= (REPEATS - 1) * default_first, (default, default_first)
-    assert kept <= 3 * kept_first, (kept, kept_first)
+    assert kept <= REPEATS // 2 * kept_first, (kept, kept_first)
