@@ -1,6 +1,6 @@
 """The launchers we ship fail within seconds, saying why, where torchrun alone hangs: another
 program holding the rendezvous port (a client then waits inside TCPStore's handshake, with no
-timeout and deaf to Ctrl-C). Run as shipped: the TrainJob's script and the README's torchrun line."""
+timeout and deaf to Ctrl-C). Run as shipped: the TrainJob's script and docs/multi-node.md's torchrun line."""
 
 from __future__ import annotations
 
@@ -65,8 +65,9 @@ def test_the_trainjob_fails_in_seconds_on_a_held_rendezvous_port(squatter, node_
     assert took < 30 and "torch.distributed.elastic" not in result.stderr  # torchrun never started
 
 
-def test_the_readmes_torchrun_line_fails_in_seconds_on_a_held_port(squatter):
-    block = re.search(r"```sh\n# on node-a.*?\n(mnist-pipeline rendezvous-check.*?)```", (ROOT / "README.md").read_text(),
+def test_the_docs_torchrun_line_fails_in_seconds_on_a_held_port(squatter):
+    """docs/multi-node.md's torchrun command, as a user pastes it."""
+    block = re.search(r"```sh\n# on node-a.*?\n(mnist-pipeline rendezvous-check.*?)```", (ROOT / "docs/multi-node.md").read_text(),
                       re.S)[1]
     # node-b's form of it (as the comment says), against a rendezvous address another program holds
     line = block.replace("10.0.0.1:29400", f"127.0.0.1:{squatter}").replace("--host", "--client")
