@@ -9,7 +9,7 @@ in turn:
 - loop, freed memory kept: the same after `pipeline.malloc.keep_freed_memory()`;
 - train command: `mnist-pipeline train --mode single` as the pipeline runs it (which calls it).
 All use params.yaml's settings with 2 epochs and tracking off, single mode on the CPU, all of MNIST.
-Each step's time comes from the loop's own clock (`PhaseClock`); each epoch's page faults and
+Each step's time comes from the loop's own clock (`StepClock`); each epoch's page faults and
 system CPU time from getrusage. A difference in the first steps only is warm-up (the first call of
 each kernel); a difference spread over the whole epoch has another cause. #13 asks for a first
 epoch at most 10% slower than the second, or a measured reason why not.
@@ -54,11 +54,11 @@ def recording_epochs(epochs: list[dict]) -> None:
 
     run_epoch = loop.run_epoch
 
-    def recorded(*args, clock, **kwargs):
+    def recorded(*args, probe, **kwargs):
         before = resource.getrusage(resource.RUSAGE_SELF)
-        result = run_epoch(*args, clock=clock, **kwargs)
+        result = run_epoch(*args, probe=probe, **kwargs)
         after = resource.getrusage(resource.RUSAGE_SELF)
-        epochs.append({"steps": step_seconds(clock.marks, len(clock.PHASES) + 1),
+        epochs.append({"steps": step_seconds(probe.clock.marks, probe.clock.PER_STEP),
                        "faults": after.ru_minflt + after.ru_majflt - before.ru_minflt - before.ru_majflt,
                        "system_s": after.ru_stime - before.ru_stime})
         return result
@@ -71,6 +71,7 @@ def loop_alone(project: Path) -> None:
     import torch
 
     from pipeline import loop
+    from pipeline.breakdown import Probe
     from pipeline.config import load_config
     from pipeline.parallel import Rank
     from pipeline.prepared import load_prepared
@@ -83,10 +84,10 @@ def loop_alone(project: Path) -> None:
     model, optimizer, scheduler = loop.build(config, steps, device)
     wrapped = loop.wrap_for_mode(model, config, device, "single")
     for epoch in range(config.epochs):
-        clock = loop.PhaseClock(device)
+        probe = Probe(device)
         loop.run_epoch(wrapped, optimizer, scheduler, train, loop.epoch_order(len(train), epoch, config.seed),
-                       config.batch_size, rank, clock=clock, show_bar=False, desc="", label_smoothing=config.label_smoothing)
-        clock.totals()
+                       config.batch_size, rank, probe=probe, show_bar=False, desc="", label_smoothing=config.label_smoothing)
+        probe.clock.totals()
 
 
 def train_command(project: Path) -> None:

@@ -224,11 +224,13 @@ def checkable(world_size: int) -> tuple[str, ...]:
     return PRIMITIVES if world_size > 1 else tuple(p for p in PRIMITIVES if p not in POINT_TO_POINT)
 
 
-def sweep(rank: Rank, device, config) -> dict:
+def sweep(rank: Rank, device, config, reach: dict[str, int] | None = None) -> dict:
     """Every primitive at every size on this rank: {"timings": [...], "failures": {primitive: ...}}.
 
     With `config.budget_s`, a primitive's sizes stop growing when the next one would overrun its
-    share of the budget."""
+    share of the budget, except below `reach[primitive]` bytes (all_reduce up to the gradients DDP
+    sends: the size the scaling model needs measured)."""
+    reach = reach or {}
     timings, failures = [], {}
     primitives = checkable(rank.world_size)
     with_payload = [p for p in primitives if p != "barrier"]
@@ -251,7 +253,8 @@ def sweep(rank: Rank, device, config) -> dict:
             # (a collective one rank skips hangs the others): the slowest rank's estimate decides.
             growth = min(config.factor, max(1.0, seconds / previous)) if previous else 1.0
             previous = seconds
-            if config.budget_s and i + 1 < len(swept) and slowest(spent + took * growth, device) > share:
+            if config.budget_s and i + 1 < len(swept) and size >= reach.get(primitive, 0) and \
+                    slowest(spent + took * growth, device) > share:
                 break
     return {"rank": rank.rank, "timings": timings, "failures": failures}
 

@@ -92,6 +92,11 @@ class TrainConfig:
     # Steps of each epoch left out of the steady-state throughput (samples/s after the warm-up),
     # which the report's speed-ups use; the whole-epoch figure stands beside it.
     throughput_warmup_steps: int = field(default=10, metadata=_at_least(0))
+    # The step breakdown (pipeline.breakdown): this many steps of the last epoch, after the warm-up,
+    # timed phase by phase and bucket by bucket (0 = off: no comm hook, no trace).
+    breakdown_steps: int = field(default=20, metadata=_at_least(0))
+    # Then this many steps under torch.profiler, whose trace goes to each rank's MLflow run.
+    trace_steps: int = field(default=2, metadata=_at_least(0))
 
 
 @dataclass(frozen=True)
@@ -140,8 +145,28 @@ class EvaluateConfig:
     min_test_accuracy: float = field(default=0.9, metadata=_rule(lambda v: 0 <= v <= 1, "between 0 and 1"))
 
 
+@dataclass(frozen=True)
+class CompareConfig:
+    # The scaling model's projection (pipeline.scaling): DDP at these device counts, on commcheck's
+    # measured link and on each named link below (nominal figures: edit them to your hardware).
+    devices: tuple[int, ...] = field(default=(8, 64, 512), metadata=_rule(
+        lambda v: len(v) > 0 and all(n >= 2 for n in v), "a non-empty list of device counts >= 2"))
+    link_names: tuple[str, ...] = ("nvlink", "infiniband", "ethernet")
+    # Each link's all-reduce bus bandwidth in GB/s (nccl-tests' busbw) and its latency per ring step.
+    link_busbw_gbps: tuple[float, ...] = field(default=(360.0, 45.0, 1.1), metadata=_rule(
+        lambda v: all(x > 0 for x in v), "a list of numbers > 0"))
+    link_latency_us: tuple[float, ...] = field(default=(3.0, 5.0, 30.0), metadata=_rule(
+        lambda v: all(x >= 0 for x in v), "a list of numbers >= 0"))
+
+    def __post_init__(self) -> None:
+        if not len(self.link_names) == len(self.link_busbw_gbps) == len(self.link_latency_us):
+            raise ConfigError(f"compare.link_names, compare.link_busbw_gbps and compare.link_latency_us have "
+                              f"{len(self.link_names)}, {len(self.link_busbw_gbps)} and {len(self.link_latency_us)} "
+                              "entries; allowed: one of each per link")
+
+
 SECTIONS: dict[str, type] = {"data": DataConfig, "commcheck": CommcheckConfig, "train": TrainConfig,
-                             "tracking": TrackingConfig, "evaluate": EvaluateConfig}
+                             "tracking": TrackingConfig, "evaluate": EvaluateConfig, "compare": CompareConfig}
 
 
 @dataclass(frozen=True)
@@ -151,6 +176,7 @@ class Config:
     train: TrainConfig = TrainConfig()
     tracking: TrackingConfig = TrackingConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    compare: CompareConfig = CompareConfig()
 
 
 def _type_ok(value: Any, hint: Any) -> bool:

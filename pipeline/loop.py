@@ -32,6 +32,7 @@ from torch import nn
 from tqdm import tqdm
 
 from pipeline.atomic import save_torch
+from pipeline.breakdown import Probe, timeline
 from pipeline.checkpoint import CHECKPOINT_FILE, trajectory
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
@@ -86,49 +87,6 @@ def rank_share(batch: torch.Tensor, rank: Rank) -> torch.Tensor:
 
 def steps_per_epoch(n: int, global_batch: int) -> int:
     return math.ceil(n / global_batch)
-
-
-class PhaseClock:
-    """Per-step time spent gathering the batch, in forward+backward and in the optimiser.
-
-    On CUDA it records events, read once at the end of the epoch, so it never syncs per step;
-    on the CPU, work is synchronous and perf_counter is exact.
-    """
-
-    PHASES = ("data_time_s", "compute_time_s", "optimizer_time_s")
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list[Any] = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def seconds_since_step(self, step: int) -> float | None:
-        """Seconds from the start of step `step` (0-based) of this epoch to its last mark; None when
-        the epoch has no such step. Call before `totals`, which clears the marks."""
-        start, per_step = step * (len(self.PHASES) + 1), len(self.PHASES) + 1
-        if start >= len(self.marks) or len(self.marks) % per_step:
-            return None
-        first, last = self.marks[start], self.marks[-1]
-        return first.elapsed_time(last) / 1000 if self.cuda else last - first
-
-    def totals(self) -> dict[str, float]:
-        """Seconds per phase at full precision: a phase of microseconds a step (an optimizer step on
-        a fast GPU) must not round to zero. Round only where a person reads it."""
-        sums = [0.0] * len(self.PHASES)
-        per_step = len(self.PHASES) + 1
-        for i in range(0, len(self.marks), per_step):
-            step = self.marks[i : i + per_step]
-            for phase, (start, end) in enumerate(zip(step, step[1:])):
-                sums[phase] += start.elapsed_time(end) / 1000 if self.cuda else end - start
-        self.marks.clear()
-        return dict(zip(self.PHASES, sums))
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -232,7 +190,7 @@ def share_loss(logits: torch.Tensor, labels: torch.Tensor, batch_len: int, world
 
 
 def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, global_batch: int,
-              rank: Rank, clock: PhaseClock, show_bar: bool, desc: str, label_smoothing: float):
+              rank: Rank, probe: Probe, show_bar: bool, desc: str, label_smoothing: float):
     """One pass over this rank's shares of the epoch's global batches; returns (loss sum, correct
     count, each step's loss summed over this rank's share) still on the device, as a .item() per
     step would sync every step, and each step's share length (0: this rank had no sample that step)."""
@@ -244,18 +202,19 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
     shares = []
     wrapped.train()
     for i, batch in enumerate(tqdm(batches, desc=desc, disable=not show_bar, leave=False)):
-        clock.mark()
+        probe.start_step(i)
         idx = rank_share(batch, rank)
         images, labels = data.images[idx], data.labels[idx]
-        clock.mark()
+        probe.phase("forward")
         logits = wrapped(images)  # in the configured precision: the model enters autocast itself
         loss, sample_losses = share_loss(logits, labels, len(batch), rank.world_size, label_smoothing)
         optimizer.zero_grad(set_to_none=True)
+        probe.phase("backward")
         loss.backward()
-        clock.mark()
+        probe.phase("optimizer")
         optimizer.step()
         scheduler.step()
-        clock.mark()
+        probe.end_step()
         loss_sum += sample_losses
         losses[i] = sample_losses
         correct += (logits.detach().argmax(1) == labels).sum()
@@ -266,6 +225,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
 
 
 LOSS_WINDOWS_PER_EPOCH = 20
+TRACE_DIR = "traces"  # in models/<mode>: each rank's profiler trace of a few steps
 
 
 def loss_windows(step_sums: list[float], batch_lens: list[int], first_step: int) -> list[list[float]]:
@@ -307,6 +267,10 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, history = state["epoch"], state["history"]
     wrapped = wrap_for_mode(model, config, device, run.mode)
+    # The step's phases on every step; its communication, and a trace, on a window of the last epoch.
+    probe = Probe(device, window=config.breakdown_steps, trace_steps=config.trace_steps,
+                  trace_dir=run.out_dir / TRACE_DIR, warmup=config.throughput_warmup_steps)
+    probe.attach(wrapped, rank.world_size)  # before DDP's first backward, which a comm hook must precede
     if run.mode == "ddp":
         settle_gradient_buckets(wrapped, train_split)
 
@@ -315,7 +279,6 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
     # The devices whose peak memory is reported: DataParallel's GPUs, or this rank's device.
     memory_devices = list(range(dp_device_count(device))) if run.mode == "dp" else [device.index]
     show_bar = rank.is_main and sys.stderr.isatty()
-    clock = PhaseClock(device)
     for epoch in range(start_epoch, config.epochs):
         # Reseeded per epoch and rank, so dropout after a resume draws what it would have drawn.
         torch.manual_seed(config.seed + 10_000 * (epoch + 1) + rank.rank)
@@ -326,9 +289,10 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             torch.cuda.synchronize(device)
         started = time.perf_counter()
         first_step = epoch * steps + 1
+        probe.start_epoch(steps, measure=epoch == config.epochs - 1)
         loss_sum, correct, losses, shares = run_epoch(
             wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
-            clock=clock, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
+            probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
             label_smoothing=config.label_smoothing)
         train_time = time.perf_counter() - started
 
@@ -336,7 +300,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         rank_loss = loss_sum.item() / max(1, rank_samples)
         # Steady state: the steps after the warm-up (cuDNN/cuBLAS handles, algorithm choice, lazy
         # kernel loading, DDP's bucket rebuild), which on a fast GPU dominate a short epoch.
-        steady_time = clock.seconds_since_step(config.throughput_warmup_steps)
+        steady_time = probe.clock.seconds_since_step(config.throughput_warmup_steps)
         steady_samples = sum(shares[config.throughput_warmup_steps:])
         # Each step's loss sum rides along in the epoch's one all_reduce: the loss curve of the
         # global batches (loss_windows), the same in every mode.
@@ -347,9 +311,13 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
         val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size), rank)
         epoch_time = time.perf_counter() - started
-        # One exchange per epoch: every rank's times, and its weights' checksum to prove they agree.
-        train_times, epoch_times, steady_times, checksums = zip(*all_gather_objects(
-            (train_time, epoch_time, steady_time, weight_checksum(model)), rank))
+        breakdown = probe.results()  # before the clock's totals, which clear its marks
+        if breakdown is not None and probe.trace_file is not None:
+            breakdown["timeline"] = timeline(probe.trace_file, rank.rank)
+        # One exchange per epoch: every rank's times, its step breakdown, and its weights' checksum
+        # to prove they agree.
+        train_times, epoch_times, steady_times, checksums, breakdowns = zip(*all_gather_objects(
+            (train_time, epoch_time, steady_time, weight_checksum(model), breakdown), rank))
         if len(set(checksums)) > 1:
             raise RuntimeError(f"ranks out of sync after epoch {epoch + 1}: weight checksums per rank {checksums}")
         slowest = max(train_times)  # the slowest rank sets the pace of a synchronous step
@@ -372,13 +340,16 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
                                          first_step),
             "rank_weight_checksums": list(checksums),
         }
+        if breakdown is not None:  # every rank's, on every rank
+            metrics["breakdown"] = list(breakdowns)
         if run.mode == "dp" and device.type == "cuda":  # DataParallel's memory, GPU by GPU
             metrics.update({f"gpu{i}_peak_memory_mb": torch.cuda.max_memory_allocated(i) / 2**20
                             for i in memory_devices})
         rank_metrics = {
             "loss": rank_loss,
             "samples_per_s": rank_samples / train_time,
-            **clock.totals(),
+            **probe.clock.totals(),
+            **({f"step_{key}_s": value for key, value in breakdown["median_s"].items()} if breakdown else {}),
             "peak_memory_mb": peak_memory_mb(device),
             "weight_checksum": checksums[rank.rank],
             # A step in which this rank had no sample has no loss of its own to show.

@@ -4,8 +4,10 @@
    and portable checkpoints, the CUDA-event phase clock, per-device peak memory, commcheck on NCCL
    over every GPU, DDP and DataParallel over every GPU against single;
 2. the default pipeline (`dvc repro` with params.yaml as it is) on all of MNIST, in a copy of the
-   project, with each mode's training time and test accuracy against the 99% target, and what
-   `train.deterministic` costs (single trained again with it off).
+   project, with each mode's training time and test accuracy against the 99% target, each mode's
+   step breakdown (CUDA events, NCCL's all-reduce through the comm hook, DataParallel's parts) with
+   the scaling model's prediction against it, and what `train.deterministic` costs (single trained
+   again with it off).
 It ends with one summary table. Without a CUDA device it says so and what it skipped, and proves
 nothing (exit 0: there was nothing it could check). MNIST comes from MNIST_SOURCE (default
 ../shared/data/mnist).
@@ -101,7 +103,33 @@ def run_default_pipeline(work: Path, mnist: Path) -> list[tuple[str, str, str]]:
         rows.append((f"{mode}: {train['world_size']} x {train['device_name']}", outcome,
                      f"{accuracy:.2%} test accuracy after {train['train_time_s']:.1f} s of training, "
                      f"{train['samples_per_s']:,.0f} samples/s, {steady(train)} after the warm-up"))
+    rows += breakdown_rows(project)
     rows.append(deterministic_cost(project, mnist))
+    return rows
+
+
+def breakdown_rows(project: Path) -> list[tuple[str, str, str]]:
+    """Where each mode's step went on these GPUs, and the scaling model's prediction for it
+    (reports/scaling.json, from the breakdown's CUDA events and the NCCL comm hook)."""
+    scaling = json.loads((project / "reports/scaling.json").read_text())
+    rows = []
+    for mode in MODES:
+        breakdown = json.loads((project / "results/breakdown" / f"{mode}.json").read_text())
+        ranks = breakdown.get("ranks") or []
+        if not ranks:
+            rows.append((f"{mode}: step breakdown", "FAILED", "no step measured (results/breakdown)"))
+            continue
+        m = max(ranks, key=lambda r: r["median_s"]["step"])["median_s"]
+        parts = ", ".join(f"{key} {m[key] * 1000:.2f}" for key in
+                          ("data", "forward", "backward_compute", "comm_exposed", "optimizer"))
+        prediction = scaling["predictions"].get(mode)
+        error = prediction and prediction.get("prediction_error")
+        # Within 25%, as on the shaped links (tests/test_shaped_links.py).
+        outcome = "passed" if error is not None and abs(error) <= 0.25 else "FAILED"
+        rows.append((f"{mode}: step breakdown and prediction", outcome,
+                     f"step {m['step'] * 1000:.2f} ms = {parts} ms; predicted "
+                     + (f"{prediction['predicted_step_s'] * 1000:.2f} ms ({error:+.1%})" if error is not None
+                        else "n/a")))
     return rows
 
 

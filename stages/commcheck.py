@@ -13,6 +13,7 @@ from pipeline import comm, parallel, tracking
 from pipeline.atomic import write_json
 from pipeline.config import Config, flatten, load_config
 from pipeline.errors import PipelineError
+from pipeline.model import build_model
 from stages.common import echo_detail, params_option, verbose
 from stages.workers import launch_workers, run_facts, submit_to_slurm
 
@@ -47,6 +48,11 @@ def per_primitive(rows: list[dict], primitives: tuple[str, ...]) -> dict:
     return summary
 
 
+def gradient_bytes(model: str) -> int:
+    """What DDP all-reduces each step: the model's float32 gradients."""
+    return sum(p.numel() * 4 for p in build_model(model).parameters())
+
+
 def run_worker(config: Config) -> None:
     rank = parallel.rank_from_env()
     device = parallel.pick_device(rank, config.train.device)
@@ -60,7 +66,7 @@ def run_worker(config: Config) -> None:
         runs = tracking.start_mode_run(config.tracking, "commcheck", rank,
                                        run_facts("commcheck", rank, device, distributed=True), params)
         with tracking.until_done(runs):
-            mine = comm.sweep(rank, device, config.commcheck)
+            mine = comm.sweep(rank, device, config.commcheck, reach={"all_reduce": gradient_bytes(config.train.model)})
             per_rank = parallel.all_gather_objects(mine, rank)
             devices = parallel.all_gather_objects(parallel.device_name(device), rank)
             rows = comm.summarize(per_rank, rank.world_size)

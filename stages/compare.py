@@ -5,14 +5,14 @@ from pathlib import Path
 
 import click
 
-from pipeline import tracking
+from pipeline import explain, tracking
 from pipeline.atomic import atomic_dir, check_replaceable, read_json, write_json
 from pipeline.config import MODES, load_config
 from pipeline.errors import PipelineError
 from pipeline.report import ModeResult, comparison_rows, console_table, loss_png, markdown, mode_metrics, modes_csv, read_curves, throughput_png
 from stages.common import params_option, read_run_ids
 
-REPORT_FILES = ("comparison.md", "throughput.png", "loss.png", "steps.csv", "epochs.csv")
+REPORT_FILES = ("comparison.md", "throughput.png", "loss.png", "timeline.png", "scaling.json", "steps.csv", "epochs.csv")
 METRICS_DIR = Path("metrics")
 
 
@@ -42,10 +42,14 @@ def compare(params_path: str, out: str) -> None:
     check_replaceable(Path(out), REPORT_FILES)
     results = [mode_result(mode) for mode in config.train.modes]
     rows = comparison_rows(results)
+    breakdowns = {mode: read_metrics(Path("results/breakdown") / f"{mode}.json") for mode in config.train.modes}
+    scaling = explain.scaling_report(breakdowns, config.compare)
     with atomic_dir(out, REPORT_FILES) as tmp:
-        (tmp / "comparison.md").write_text(markdown(rows, results))
+        (tmp / "comparison.md").write_text(markdown(rows, results) + "\n" + explain.markdown(breakdowns, scaling))
+        write_json(tmp / "scaling.json", scaling)
         throughput_png(rows, tmp / "throughput.png")
         loss_png(results, tmp / "loss.png")
+        explain.timeline_png(breakdowns, tmp / "timeline.png")
         # Every mode's curves in one file each, for DVC's charts (dvc.yaml's plots).
         (tmp / "steps.csv").write_text(modes_csv(results, "steps", ("step", "epoch", "train_loss")))
         (tmp / "epochs.csv").write_text(modes_csv(results, "curves", ("epoch", "val_loss", "val_accuracy",
@@ -64,7 +68,8 @@ def compare(params_path: str, out: str) -> None:
     for row in rows:
         summary = {"speedup_over_single": row["speedup"], "scaling_efficiency": row["scaling_efficiency"],
                    "total_train_time_s": row["train_time_s"], "mean_samples_per_s": row["samples_per_s"],
-                   "steady_samples_per_s": row["steady_samples_per_s"]}
+                   "steady_samples_per_s": row["steady_samples_per_s"],
+                   **explain.run_figures(breakdowns[row["mode"]], scaling["predictions"][row["mode"]])}
         tracking.log_to_mode_run(config.tracking, mode_ids[row["mode"]],
                                  {key: value for key, value in summary.items() if value is not None}, [])
     tracking.log_compare_run(config.tracking, mode_ids, files)

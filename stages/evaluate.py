@@ -25,7 +25,8 @@ CONFUSION_DIR = Path("plots/confusion")
 # Each training's files outside models/<mode>: a mode dropped from train.modes leaves none of them
 # behind, or `dvc metrics show` and `dvc plots show` would list it next to today's modes. Its model
 # and checkpoint stay in models/<mode> (and its numbers in git and MLflow).
-TRAINING_RESULTS = ("results/train/{mode}.json", "plots/train/{mode}.csv", "plots/steps/{mode}.csv")
+TRAINING_RESULTS = ("results/train/{mode}.json", "results/breakdown/{mode}.json", "plots/train/{mode}.csv",
+                    "plots/steps/{mode}.csv")
 
 
 def evaluate_mode(config: Config, mode: str, trained: TrainedModel, test: Split, data_dir: Path) -> Evaluation:

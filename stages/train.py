@@ -1,10 +1,12 @@
 """train: data/prepared -> models/<mode>/, results/train/<mode>.json, plots/train/<mode>.csv (per epoch),
-plots/steps/<mode>.csv (the training loss per window of steps)."""
+plots/steps/<mode>.csv (the training loss per window of steps), results/breakdown/<mode>.json (where
+the steps' time went)."""
 
 from __future__ import annotations
 
 import csv
 import io
+import json
 import logging
 import os
 import shutil
@@ -22,7 +24,7 @@ from pipeline.config import MODES, Config, flatten, load_config
 from pipeline.determinism import use_deterministic_algorithms
 from pipeline.precision import float32_means_float32
 from pipeline.errors import PipelineError
-from pipeline.loop import Training, to_device
+from pipeline.loop import TRACE_DIR, Training, to_device
 from pipeline.loop import train as train_model
 from pipeline.mnist import IMAGE_SIZE
 from pipeline.prepared import STATS_FILE, Split, load_prepared, load_split, load_stats
@@ -34,6 +36,7 @@ CODE_DIRS = [Path(checkpoint.__file__).parent, Path(__file__).parent]  # the pip
 RESULTS_DIR = Path("results/train")
 CURVES_DIR = Path("plots/train")
 STEPS_DIR = Path("plots/steps")
+BREAKDOWN_DIR = Path("results/breakdown")
 RUN_FILES = "run-files"  # in models/<mode>: what the parent run gets besides the model and checkpoint
 CURVE_COLUMNS = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "train_time_s",
                  "epoch_time_s")  # epoch_time_s: with the validation
@@ -67,6 +70,33 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
         "warmup_steps": config.train.throughput_warmup_steps,
         **{key: last[key] for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy")},
     }
+
+
+def breakdown_summary(config: Config, mode: str, rank: parallel.Rank, device, history: list[dict]) -> dict:
+    """Where the last epoch's steps went, rank by rank (pipeline.breakdown), with what compare's
+    scaling model needs to know about the run; `ranks` is empty with train.breakdown_steps: 0."""
+    ranks = history[-1].get("breakdown") or []
+    return {"mode": mode, "world_size": rank.world_size, "nodes": parallel.nodes(rank), "device": device.type,
+            "device_name": parallel.device_name(device), "batch_size": config.train.batch_size,
+            "dp_devices": parallel.dp_device_count(device) if mode == "dp" else None,
+            "batch_shares": batch_shares_label(config.train.batch_size, mode, rank, device),
+            "ranks": [{"rank": r, **b} for r, b in enumerate(ranks) if b],
+            "link": measured_link(rank) if mode == "ddp" else None}
+
+
+def measured_link(rank: parallel.Rank) -> dict | None:
+    """commcheck's all_reduce sweep, when it measured this training's world: the link the scaling
+    model computes DDP's communication on (read here, not by compare, so a commcheck that runs
+    on every `dvc repro` does not make compare run again)."""
+    comm = Path("results/comm.json")
+    try:
+        facts = json.loads(comm.read_text())
+    except (OSError, ValueError):
+        return None
+    if not facts.get("passed") or facts.get("world_size") != rank.world_size:
+        return None
+    return {"world_size": facts["world_size"], "backend": facts.get("backend"),
+            "sweep": [r for r in facts.get("sweep", []) if r["primitive"] == "all_reduce"]}
 
 
 def batch_shares_label(global_batch: int, mode: str, rank: parallel.Rank, device) -> str:
@@ -150,7 +180,8 @@ def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, res
             model, history = train_model(run, train_split, val_split)
             if rank.is_main:
                 write_outputs(config, params_path, mode, rank, device, model, history, data, runs)
-            runs.log_rank_artifacts([rank_log])
+            trace = out / TRACE_DIR / f"trace-rank-{rank.rank}.json"  # opens in Perfetto (ui.perfetto.dev)
+            runs.log_rank_artifacts([rank_log, *([trace] if trace.is_file() else [])])
 
 
 def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.Rank, device: torch.device,
@@ -166,6 +197,7 @@ def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.R
     write_json(RESULTS_DIR / f"{mode}.json", summarize(config, mode, rank, device, history))
     write_text(curves, csv_text(history, CURVE_COLUMNS))
     write_text(STEPS_DIR / f"{mode}.csv", csv_text(step_rows(history), ("step", "epoch", "train_loss")))
+    write_json(BREAKDOWN_DIR / f"{mode}.json", breakdown_summary(config, mode, rank, device, history))
     write_json(run_ids_file(mode), runs.ids)
     # The run's files are uploaded from the mode's own folder only (tracking.op_checker): copies.
     run_files = out / RUN_FILES
@@ -208,7 +240,8 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
                 tracking.fail_unfinished(config.tracking, read_run_ids(mode))
     if not go_on:  # what an earlier training left there (its logs are in MLflow and DVC's cache)
         (out / CHECKPOINT_FILE).unlink(missing_ok=True)
-        shutil.rmtree(out / "logs", ignore_errors=True)
+        for folder in ("logs", TRACE_DIR):
+            shutil.rmtree(out / folder, ignore_errors=True)
         dropped = outbox.discard(out / tracking.OUTBOX_DIR)
         if dropped:  # said, not silent: they were an earlier training's, for runs now ended
             log.warning("%s: dropped %d tracking calls an earlier training kept in %s for its own runs, which "
@@ -299,7 +332,7 @@ def stage_mode() -> str:
 
 def check_output_folders(mode: str) -> None:
     """Before any work: training is lost if it cannot be saved."""
-    for folder in (model_dir(mode), RESULTS_DIR, CURVES_DIR, STEPS_DIR):
+    for folder in (model_dir(mode), RESULTS_DIR, CURVES_DIR, STEPS_DIR, BREAKDOWN_DIR):
         writable_folder(folder)
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.loop import PhaseClock, peak_memory_mb
+from pipeline.breakdown import StepClock
+from pipeline.loop import peak_memory_mb
 from pipeline.model import build_model
 from pipeline.precision import AutocastForward, autocast_dtype
 from tests.conftest import (SMALL, load_weights, make_project, max_abs_diff, project_env, relative_difference, run,
@@ -55,12 +56,14 @@ def test_bf16_only_where_native():
 
 
 def test_phase_clock_reads_cuda_events():
-    clock = PhaseClock(torch.device("cuda", 0))
+    clock = StepClock(torch.device("cuda", 0))
     a = torch.randn(2048, 2048, device="cuda")
     started = time.perf_counter()
     for _ in range(3):
         clock.mark()
         b = a @ a
+        clock.mark()
+        b = b @ a
         clock.mark()
         b = b @ a
         clock.mark()

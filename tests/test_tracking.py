@@ -16,8 +16,8 @@ from pipeline.tracking import load_model
 from tests.conftest import SMALL, free_port, make_project, project_env, run, subprocess_env
 
 PARENT_METRICS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
-CHILD_METRICS = ("loss", "samples_per_s", "data_time_s", "compute_time_s", "optimizer_time_s", "peak_memory_mb",
-                 "weight_checksum")
+CHILD_METRICS = ("loss", "samples_per_s", "data_time_s", "forward_time_s", "backward_time_s", "optimizer_time_s",
+                 "peak_memory_mb", "weight_checksum")
 
 
 def project_with(root, mnist_dir, name, **sections):
@@ -57,7 +57,11 @@ def check_structure(client, project, mode, world_size, epochs=2):
             history = client.get_metric_history(child.info.run_id, key)
             assert [m.step for m in history] == list(range(1, epochs + 1)), key
         checksums.append([m.value for m in client.get_metric_history(child.info.run_id, "weight_checksum")])
-        assert [a.path for a in client.list_artifacts(child.info.run_id)] == [f"rank-{child.data.tags['rank']}.log"]
+        # Its log, and its profiler trace of the traced steps (train.trace_steps), which opens in Perfetto.
+        assert [a.path for a in client.list_artifacts(child.info.run_id)] == [
+            f"rank-{child.data.tags['rank']}.log", f"trace-rank-{child.data.tags['rank']}.json"]
+        # The last epoch's measured step, phase by phase, on the rank's own run.
+        assert child.data.metrics["step_step_s"] > 0 and child.data.metrics["step_compute_s"] > 0
     assert all(c == checksums[0] for c in checksums)  # every rank in sync, epoch by epoch
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"checkpoint.pt", "params.yaml", f"{mode}.csv"} <= artifacts

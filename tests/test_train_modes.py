@@ -113,13 +113,13 @@ def test_bad_input_is_a_clear_error(small_project, tmp_path, args, params, messa
 
 def test_the_phase_clock_keeps_microsecond_phases():
     """An optimizer step of 20 us a step on a fast GPU must not round to zero (it did at 4 decimals)."""
-    from pipeline.loop import PhaseClock
+    from pipeline.breakdown import StepClock
 
-    clock = PhaseClock(torch.device("cpu"))
-    for _ in range(4 * 3):  # three steps whose phases each take about a microsecond
+    clock = StepClock(torch.device("cpu"))
+    for _ in range(StepClock.PER_STEP * 3):  # three steps whose phases each take about a microsecond
         clock.mark()
     totals = clock.totals()
-    assert set(totals) == set(PhaseClock.PHASES)
+    assert set(totals) == set(StepClock.PHASES)
     assert all(0 < seconds < 1 for seconds in totals.values())
 
 
@@ -140,10 +140,10 @@ def test_a_resume_at_an_odd_world_size_ends_with_the_uninterrupted_weights(small
 
 
 def test_the_steady_state_leaves_out_the_warm_up_steps():
-    from pipeline.loop import PhaseClock
+    from pipeline.breakdown import StepClock
 
-    clock = PhaseClock(torch.device("cpu"))
-    clock.marks = [0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0, 13.0]  # two steps, 4 marks each
+    clock = StepClock(torch.device("cpu"))
+    clock.marks = [0.0, 1.0, 2.0, 2.5, 3.0, 10.0, 11.0, 12.0, 12.5, 13.0]  # two steps, 5 marks each
     assert clock.seconds_since_step(0) == 13.0 and clock.seconds_since_step(1) == 3.0
     assert clock.seconds_since_step(2) is None  # no step after the warm-up
 

@@ -1,0 +1,353 @@
+"""Where a training step's time goes, measured on the steps themselves.
+
+Three instruments, all on every rank:
+- `StepClock` stamps each step at the edges of its phases (data, forward, backward, optimizer):
+  perf_counter on the CPU, where work is synchronous; CUDA events on a GPU, read once an epoch,
+  so nothing syncs per step.
+- `CommTimer` is DDP's gradient all-reduce as a communication hook, the same arithmetic as DDP's
+  built-in one (each bucket scaled by 1/W, then summed), which stamps when each bucket is handed to
+  the backend (its gradients are ready) and when its all-reduce completes, on the same clock.
+- `Tracer` runs torch.profiler over a few steps after the measured window and keeps its Chrome
+  trace (Perfetto opens it): the phases as record_function ranges, the backend's own collective
+  events (gloo:all_reduce on its threads, NCCL's kernels on their stream) and DataParallel's
+  scatter, replicate, replicas and gather.
+
+How overlap is measured (HTA's definitions, on our own stamps): a step's communication time is the
+union of its buckets' [handed over, completed] intervals. The backward's compute ends when the last
+bucket is handed over (the last gradient is then ready, so autograd has nothing left to compute).
+Communication inside [backward start, that moment] ran during compute: it is overlapped. The rest
+is exposed: the step waited for it. The backward's compute is the backward less its exposed part,
+so data + forward + backward compute + exposed communication + optimizer = the step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+log = logging.getLogger(__name__)
+PHASES = ("data", "forward", "backward", "optimizer")
+# The backend's collective events in a torch.profiler trace: gloo's on its worker threads, NCCL's
+# CPU-side calls and its kernels on the GPU.
+COMM_EVENT_PREFIXES = ("gloo:", "nccl:", "ncclDevKernel", "ncclKernel")
+DP_PARTS = ("scatter", "replicate", "replicas", "gather")  # DataParallel's forward, in order
+
+
+class StepClock:
+    """Stamps at the start of each step and at the end of each phase: 5 a step."""
+
+    PER_STEP = len(PHASES) + 1
+    PHASES = tuple(f"{phase}_time_s" for phase in PHASES)  # the per-epoch totals' names
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def stamp(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1000 if self.cuda else end - start
+
+    def mark(self) -> None:
+        self.marks.append(self.stamp())
+
+    def step_marks(self, step: int) -> list:
+        return self.marks[step * self.PER_STEP:(step + 1) * self.PER_STEP]
+
+    def seconds_since_step(self, step: int) -> float | None:
+        """Seconds from the start of step `step` (0-based) of this epoch to its last mark; None when
+        the epoch has no such step. Call before `totals`, which clears the marks."""
+        start = step * self.PER_STEP
+        if start >= len(self.marks) or len(self.marks) % self.PER_STEP:
+            return None
+        return self.seconds(self.marks[start], self.marks[-1])
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per phase at full precision: a phase of microseconds a step (an optimizer step on
+        a fast GPU) must not round to zero. Round only where a person reads it."""
+        sums = [0.0] * len(PHASES)
+        for step in range(len(self.marks) // self.PER_STEP):
+            marks = self.step_marks(step)
+            for phase, (start, end) in enumerate(zip(marks, marks[1:])):
+                sums[phase] += self.seconds(start, end)
+        self.marks.clear()
+        return dict(zip(self.PHASES, sums))
+
+
+class CommTimer:
+    """DDP's gradient all-reduce as a comm hook, stamping each bucket while `step` is not None."""
+
+    def __init__(self, clock: StepClock, world_size: int):
+        self.clock, self.world_size = clock, world_size
+        self.step: int | None = None
+        self.calls: list[list] = []  # [step, bucket index, bytes, handed over, completed]
+
+    def hook(self, _state, bucket):  # unannotated: DDP checks annotations, which are strings here
+        buffer = bucket.buffer()
+        handed = self.clock.stamp() if self.step is not None else None
+        # What DDP's built-in reduction does: gradients times 1/W (a float32 multiply, as its
+        # mul_out by a wrapped scalar), then a sum over the ranks: the same bits as without a hook.
+        buffer.mul_(1.0 / self.world_size)
+        future = dist.all_reduce(buffer, async_op=True).get_future()
+        if handed is None:
+            return future.then(lambda done: done.value()[0])
+        call = [self.step, bucket.index(), buffer.numel() * buffer.element_size(), handed, None]
+        self.calls.append(call)
+
+        def completed(done):
+            # On a GPU this runs on a stream that waits for the all-reduce: the event marks its end.
+            call[4] = self.clock.stamp()
+            return done.value()[0]
+
+        return future.then(completed)
+
+    def attach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        ddp.register_comm_hook(None, self.hook)
+
+
+def timed_data_parallel(dp: nn.DataParallel, clock: StepClock, parts: dict[str, list]) -> None:
+    """Stamp DataParallel's forward part by part (on its GPUs): scatter the batch from GPU 0,
+    replicate the module to every GPU, run the replicas in threads, gather the outputs on GPU 0.
+    Its gradient reduce onto GPU 0 runs inside autograd, in the backward (the trace shows it)."""
+    for part, method in zip(DP_PARTS, ("scatter", "replicate", "parallel_apply", "gather")):
+        original = getattr(dp, method)
+
+        def timed(*args, _original=original, _part=part, **kwargs):
+            if not parts.get("recording"):
+                return _original(*args, **kwargs)
+            with torch.profiler.record_function(f"dp:{_part}"):
+                start = clock.stamp()
+                result = _original(*args, **kwargs)
+                parts[_part].append((start, clock.stamp()))
+            return result
+
+        setattr(dp, method, timed)  # an instance attribute: DataParallel.forward calls self.<method>
+    for part in DP_PARTS:
+        parts[part] = []
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def overlap_with(intervals: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    clipped = [(max(a, window[0]), min(b, window[1])) for a, b in intervals]
+    return union_length([(a, b) for a, b in clipped if b > a])
+
+
+def step_breakdown(phases: list[float], comm: list[tuple[float, float]]) -> dict[str, float]:
+    """One step, in seconds: `phases` the durations of PHASES, `comm` each bucket's [handed over,
+    completed] offsets from the step's start."""
+    data, forward, backward, optimizer = phases
+    out = dict(zip(PHASES, phases), step=sum(phases))
+    backward_start = data + forward
+    compute_end = max((handed for handed, _ in comm), default=backward_start + backward)
+    total = union_length(comm)
+    overlapped = overlap_with(comm, (backward_start, compute_end))
+    exposed = total - overlapped
+    out.update(comm=total, comm_overlapped=overlapped, comm_exposed=exposed, backward_compute=backward - exposed,
+               compute=sum(phases) - exposed)
+    return out
+
+
+class Probe:
+    """What the loop calls around each step: the clock always; for the measured window, the comm
+    timer and DataParallel's parts; for the traced steps after it, the profiler."""
+
+    def __init__(self, device: torch.device, window: int = 0, trace_steps: int = 0, trace_dir: Path | None = None,
+                 warmup: int = 0):
+        self.clock = StepClock(device)
+        self.window, self.trace_steps, self.trace_dir, self.warmup = window, trace_steps, trace_dir, warmup
+        self.comm: CommTimer | None = None
+        self.dp_parts: dict[str, list] = {}
+        self.measure = False  # this epoch's window is measured (the last epoch's)
+        self.first = self.traced = 0
+        self.step = 0
+        self.open_range = None
+        self.profiler = None
+        self.trace_file: Path | None = None
+
+    def attach(self, wrapped: nn.Module, rank_world: int) -> None:
+        if not self.window:
+            return
+        if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+            self.comm = CommTimer(self.clock, rank_world)
+            self.comm.attach(wrapped)
+        elif isinstance(wrapped, nn.DataParallel):
+            timed_data_parallel(wrapped, self.clock, self.dp_parts)
+
+    def start_epoch(self, steps: int, measure: bool) -> None:
+        """Where this epoch's window and traced steps fall: after the warm-up when the epoch is long
+        enough, else as late as they fit (the window first gives way)."""
+        self.measure = bool(self.window) and measure
+        self.traced = min(self.trace_steps, steps) if self.measure else 0
+        self.first = min(self.warmup, max(0, steps - self.window - self.traced))
+        self.measured = min(self.window, steps - self.first - self.traced) if self.measure else 0
+
+    def in_window(self, step: int) -> bool:
+        return self.first <= step < self.first + self.measured
+
+    def in_trace(self, step: int) -> bool:
+        start = self.first + self.measured
+        return self.traced > 0 and start <= step < start + self.traced
+
+    def start_step(self, step: int) -> None:
+        self.step = step
+        if self.in_trace(step) and self.profiler is None:
+            self.profiler = start_profiler(self.clock.cuda)
+        window = self.in_window(step)
+        if self.comm is not None:
+            self.comm.step = step if window else None
+        self.dp_parts["recording"] = window
+        self.clock.mark()
+        self._range("data")
+
+    def phase(self, name: str) -> None:
+        self.clock.mark()
+        self._range(name)
+
+    def end_step(self) -> None:
+        self.clock.mark()
+        self._range(None)
+        if self.profiler is not None and not self.in_trace(self.step + 1):
+            if self.clock.cuda:
+                torch.cuda.synchronize()
+            self.profiler.stop()
+            self.trace_file = export_trace(self.profiler, self.trace_dir)
+            self.profiler = None
+
+    def _range(self, name: str | None) -> None:
+        """The phase as a record_function range, on traced steps only (outside them it costs nothing)."""
+        if self.open_range is not None:
+            self.open_range.__exit__(None, None, None)
+            self.open_range = None
+        if name is not None and self.profiler is not None:
+            self.open_range = torch.profiler.record_function(name)
+            self.open_range.__enter__()
+
+    def bucket_layout(self) -> list[dict]:
+        """Each bucket of the window's steps (DDP's layout, after its rebuild): its size and when it
+        was handed over, as a median fraction of the way through the backward's compute."""
+        buckets: dict[int, dict] = {}
+        for step in range(self.first, self.first + self.measured):
+            marks = self.clock.step_marks(step)
+            calls = [c for c in self.comm.calls if c[0] == step]
+            if not calls:
+                continue
+            start = marks[2]  # the backward's start
+            compute = max(self.clock.seconds(start, handed) for _, _, _, handed, _ in calls)
+            for _, index, nbytes, handed, _ in calls:
+                bucket = buckets.setdefault(index, {"index": index, "bytes": nbytes, "ready": []})
+                bucket["ready"].append(self.clock.seconds(start, handed) / compute if compute > 0 else 1.0)
+        return [{"index": b["index"], "bytes": b["bytes"], "ready_fraction": statistics.median(b["ready"])}
+                for b in sorted(buckets.values(), key=lambda b: statistics.median(b["ready"]))]
+
+    def sync_steps(self) -> dict[str, list[float]]:
+        """DDP's steps as the ranks live them: from one step's gradients all-reduced (its last
+        bucket's completion, the moment every rank leaves together) to the next's. `sync_interval_s`
+        is that interval, the step's real length; `pre_sync_compute_s` is the part of it before
+        this rank handed its last bucket over (its optimizer, data, forward and backward), so the
+        slowest rank's at each step plus the communication after it is the step (scaling.predict)."""
+        last: dict[int, tuple] = {}
+        for step, _, _, handed, done in self.comm.calls:
+            if done is not None and (step not in last or self.clock.seconds(last[step][0], handed) > 0):
+                last[step] = (handed, done)
+        steps = sorted(last)
+        pairs = [(last[a], last[b]) for a, b in zip(steps, steps[1:]) if b == a + 1]
+        return {"sync_interval_s": [self.clock.seconds(a[1], b[1]) for a, b in pairs],
+                "pre_sync_compute_s": [self.clock.seconds(a[1], b[0]) for a, b in pairs]}
+
+    def results(self) -> dict | None:
+        """This epoch's window, per step and as medians (call before clock.totals())."""
+        if not self.measured:
+            return None
+        steps = []
+        for step in range(self.first, self.first + self.measured):
+            marks = self.clock.step_marks(step)
+            phases = [self.clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
+            comm = [(self.clock.seconds(marks[0], handed), self.clock.seconds(marks[0], done))
+                    for at, _, _, handed, done in (self.comm.calls if self.comm else ()) if at == step]
+            row = step_breakdown(phases, comm)
+            steps.append(row)
+        out: dict[str, Any] = {"first_step": self.first, "steps": len(steps),
+                               "median_s": {key: statistics.median(row[key] for row in steps) for key in steps[0]}}
+        comm_total = sum(row["comm"] for row in steps)
+        out["comm_overlap_fraction"] = (sum(row["comm_overlapped"] for row in steps) / comm_total
+                                        if self.comm and comm_total > 0 else None)
+        if self.comm:
+            out["buckets"] = self.bucket_layout()
+            out.update(self.sync_steps())
+            self.comm.calls.clear()
+        if self.dp_parts.get("scatter"):  # on one GPU DataParallel only scatters, then calls the module
+            out["dp_median_s"] = {part: statistics.median(self.clock.seconds(a, b) for a, b in self.dp_parts[part])
+                                  for part in DP_PARTS if self.dp_parts[part]}
+            for part in DP_PARTS:
+                self.dp_parts[part].clear()
+        return out
+
+
+def start_profiler(cuda: bool):
+    # Kineto prints a line at every start and stop (its USDT level, 5) and, on a CUDA build without
+    # a GPU, an ERROR for the device query: 6 silences both; the trace says whether it worked.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.start()
+    return profiler
+
+
+def export_trace(profiler, folder: Path | None) -> Path | None:
+    if folder is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = folder / f"trace-rank-{rank}.json"
+    profiler.export_chrome_trace(str(path))
+    return path
+
+
+def timeline(trace_file: Path, rank: int, steps: int = 2) -> list[dict]:
+    """The traced steps as bars to draw: [lane, name, start ms, duration ms] from the Chrome trace,
+    times from the first phase's start. Lanes: the training thread's phases (and DataParallel's
+    parts), the backend's collectives (on whatever thread or stream runs them), the GPU's kernels."""
+    events = [e for e in json.loads(trace_file.read_text()).get("traceEvents", []) if e.get("ph") == "X"]
+    phases = [e for e in events if e["name"] in PHASES]
+    if not phases:
+        return []
+    origin = min(e["ts"] for e in phases)
+    bars = []
+    for e in events:
+        name = e["name"]
+        if name in PHASES or name.startswith("dp:"):
+            lane = "phases" if name in PHASES else "DataParallel"
+        elif name.startswith(COMM_EVENT_PREFIXES):
+            lane = "collectives"
+        elif e.get("cat") == "kernel":
+            lane = "GPU kernels"
+        else:
+            continue
+        bars.append({"rank": rank, "lane": lane, "name": name, "start_ms": round((e["ts"] - origin) / 1000, 4),
+                     "ms": round(e.get("dur", 0) / 1000, 4)})
+    return sorted(bars, key=lambda bar: bar["start_ms"])

@@ -1,0 +1,154 @@
+"""The report's "Where the time goes": each mode's measured step, what the scaling model predicts
+for it, a projection to more devices, and a timeline of two traced steps per mode."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline import scaling
+from pipeline.config import CompareConfig
+from pipeline.plotting import pyplot
+
+PHASE_ROWS = (("data", "data"), ("forward", "forward"), ("backward_compute", "backward (compute)"),
+              ("comm_exposed", "communication, exposed"), ("optimizer", "optimizer"))
+COLOURS = {"data": "tab:gray", "forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green",
+           "dp:scatter": "tab:purple", "dp:replicate": "tab:pink", "dp:replicas": "tab:cyan", "dp:gather": "tab:olive"}
+
+
+def links(comm: dict | None, config: CompareConfig) -> list[scaling.Link]:
+    measured = scaling.measured_link(comm) if comm else None
+    return ([measured] if measured else []) + [
+        scaling.named_link(*spec) for spec in zip(config.link_names, config.link_busbw_gbps, config.link_latency_us)]
+
+
+def scaling_report(breakdowns: dict[str, dict], config: CompareConfig) -> dict:
+    """Predicted against measured for each mode that ran, and DDP (and DataParallel, on GPUs)
+    projected to compare.devices on each link: commcheck's, as DDP's training recorded it, and
+    the named ones."""
+    every_link = links(breakdowns.get("ddp", {}).get("link"), config)
+    own = next((link for link in every_link if link.name == "commcheck"), None)
+    predictions = {mode: scaling.predict(b, own) for mode, b in breakdowns.items()}
+    projections = []
+    for mode, breakdown in breakdowns.items():
+        for devices in config.devices:
+            if mode == "ddp":
+                projections += [p for p in (scaling.project_ddp(breakdown, link, devices) for link in every_link) if p]
+            elif mode == "dp" and devices <= 16:  # one process on one machine
+                projections += [p for p in [scaling.project_dp(breakdown, devices)] if p]
+    for p, mode in ((p, "ddp" if p["link"] != "one machine" else "dp") for p in projections):
+        p["mode"] = mode
+    return {"links": [vars(link) for link in every_link], "predictions": predictions, "projections": projections,
+            "assumptions": list(scaling.ASSUMPTIONS)}
+
+
+def run_figures(breakdown: dict, prediction: dict | None) -> dict[str, float]:
+    """The numbers each mode's MLflow run gets, under the same names in every mode."""
+    rank = scaling.slowest_rank(breakdown)
+    if rank is None:
+        return {}
+    m = rank["median_s"]
+    figures = {"step_s": m["step"], "step_compute_s": m["compute"], "step_comm_s": m["comm"],
+               "step_comm_exposed_s": m["comm_exposed"],
+               "comm_exposed_share": m["comm_exposed"] / m["step"] if m["step"] else 0.0}
+    if rank.get("comm_overlap_fraction") is not None:
+        figures["comm_overlap_fraction"] = rank["comm_overlap_fraction"]
+    if prediction:
+        figures["predicted_step_s"] = prediction["predicted_step_s"]
+        if prediction["prediction_error"] is not None:
+            figures["prediction_error"] = prediction["prediction_error"]
+    return figures
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.2f}"
+
+
+def markdown(breakdowns: dict[str, dict], report: dict) -> str:
+    measured = {mode: scaling.slowest_rank(b) for mode, b in breakdowns.items()}
+    measured = {mode: rank for mode, rank in measured.items() if rank}
+    lines = ["## Where the time goes", ""]
+    if not measured:
+        return "\n".join(lines + ["No step was measured (train.breakdown_steps: 0).", ""])
+    modes = list(measured)
+    some = next(iter(measured.values()))
+    lines += [f"The median of {some['steps']} steady-state steps of the last epoch (after "
+              f"{some['first_step']} warm-up steps), on each mode's slowest rank, in milliseconds. "
+              "The phases add up to the step.", "",
+              "| | " + " | ".join(modes) + " |", "|---|" + "---:|" * len(modes)]
+    for key, label in PHASE_ROWS:
+        lines.append(f"| {label} | " + " | ".join(_ms(measured[m]["median_s"][key]) for m in modes) + " |")
+    lines.append("| **step** | " + " | ".join(f"**{_ms(measured[m]['median_s']['step'])}**" for m in modes) + " |")
+    lines.append("| communication, all | " + " | ".join(_ms(measured[m]["median_s"]["comm"]) for m in modes) + " |")
+    lines.append("| of it overlapped with the backward | " + " | ".join(
+        "n/a" if measured[m].get("comm_overlap_fraction") is None else f"{measured[m]['comm_overlap_fraction']:.0%}"
+        for m in modes) + " |")
+    for m in modes:
+        if measured[m].get("buckets"):
+            sizes = ", ".join(f"{b['bytes'] / 2**20:.2f} MiB (ready at {b['ready_fraction']:.0%} of the backward)"
+                              for b in measured[m]["buckets"])
+            lines += ["", f"{m}'s gradient buckets: {sizes}. A bucket's all-reduce can only overlap the backward "
+                          "computing the buckets after it: with one bucket, none of it can."]
+        if measured[m].get("dp_median_s"):
+            parts = measured[m]["dp_median_s"]
+            lines += ["", f"{m}'s forward: " + ", ".join(f"{part} {_ms(s)}" for part, s in parts.items())
+                      + " ms (scatter from GPU 0, replicate the module, the replicas in threads, gather on GPU 0); "
+                      "its gradient reduce onto GPU 0 is in the backward."]
+    lines += ["", "How it is measured: each phase between stamps on the training thread (CUDA events on a GPU); "
+                  "each DDP bucket's all-reduce from when it is handed to the backend to when it completes "
+                  "(a communication hook with DDP's own arithmetic). Communication during the backward's compute "
+                  "(until the last bucket is handed over) is overlapped; the rest is exposed. A rank's exposed "
+                  "communication includes its wait for slower ranks: no all-reduce ends before every rank joined it.",
+              "", "![two traced steps per mode](timeline.png)", "", "### Predicted against measured", "",
+              "| mode | ranks | measured step (ms) | predicted (ms) | error | predicted communication (ms) "
+              "| of it exposed (ms) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for mode, p in report["predictions"].items():
+        if p is None:
+            lines.append(f"| {mode} | | | n/a: no link measured for this world (commcheck off, failed, or its "
+                         "all_reduce stopped below 64 KiB) | | | |")
+            continue
+        error = "n/a" if p["prediction_error"] is None else f"{p['prediction_error']:+.1%}"
+        lines.append(f"| {mode} | {p['world_size']} | {_ms(p['measured_step_s'])} | {_ms(p['predicted_step_s'])} | "
+                     f"{error} | {_ms(p['predicted_comm_s'])} | {_ms(p['predicted_exposed_s'])} |")
+    lines += ["", "DDP's step is measured from one step's gradient all-reduce ending to the next one's (the moment "
+                  "the ranks leave together). Its prediction: at each step, the compute of the rank that was slowest "
+                  "to hand its last bucket over, the median of those, plus the exposed all-reduce the model computes "
+                  "from commcheck's measured link at DDP's bucket sizes. A mode on one device has no communication "
+                  "to predict: its row checks that the phases add up to the step.",
+              "", "### Projected", "", "| mode | link | devices | global batch | step (ms) | communication (ms) "
+              "| exposed (ms) | samples/s | scaling efficiency |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in report["projections"]:
+        efficiency = f"{p['scaling_efficiency']:.0%}" if "scaling_efficiency" in p else "n/a"
+        lines.append(f"| {p['mode']} | {p['link']} | {p['devices']} | {p['global_batch']} | {_ms(p['step_s'])} | "
+                     f"{_ms(p.get('comm_s'))} | {_ms(p.get('exposed_s'))} | {p['samples_per_s']:,.0f} | {efficiency} |")
+    if not report["projections"]:
+        lines.append("| | nothing to project: no DDP breakdown (and DataParallel needs GPUs) | | | | | | | |")
+    lines += ["", "Links: " + "; ".join(f"{link['name']}: {link['source']}" for link in report["links"]) + ".",
+              "", "Assumptions:", *[f"- {a}" for a in report["assumptions"]], ""]
+    return "\n".join(lines)
+
+
+def timeline_png(breakdowns: dict[str, dict], path: Path) -> None:
+    """Two traced steps of each mode, drawn from each rank's profiler trace: the training thread's
+    phases, the backend's collectives, DataParallel's parts and GPU kernels, lane by lane."""
+    plt = pyplot()
+    modes = [(mode, [bar for r in b.get("ranks", []) for bar in r.get("timeline", [])]) for mode, b in breakdowns.items()]
+    modes = [(mode, bars) for mode, bars in modes if bars] or [("no trace (train.trace_steps: 0)", [])]
+    lanes = [sorted({(b["rank"], b["lane"]) for b in bars}, reverse=True) or [(0, "")] for _, bars in modes]
+    figure, panels = plt.subplots(len(modes), 1, figsize=(10, 1.0 + sum(0.9 + 0.45 * len(l) for l in lanes)),
+                                  gridspec_kw={"height_ratios": [1 + len(l) for l in lanes]}, squeeze=False)
+    shown = {}
+    for axes, (mode, bars), mode_lanes in zip(panels[:, 0], modes, lanes):
+        for row, lane in enumerate(mode_lanes):
+            mine = [b for b in bars if (b["rank"], b["lane"]) == lane]
+            colours = [COLOURS.get(b["name"], "tab:red" if lane[1] == "collectives" else "black") for b in mine]
+            axes.broken_barh([(b["start_ms"], b["ms"]) for b in mine], (row - 0.4, 0.8), color=colours)
+            for b, colour in zip(mine, colours):
+                shown.setdefault(b["name"] if b["name"] in COLOURS else lane[1], colour)
+        axes.set_yticks(range(len(mode_lanes)), [f"rank {r}: {lane}" for r, lane in mode_lanes], fontsize="small")
+        axes.set_title(mode, loc="left", fontsize="medium")
+        axes.set_xlabel("ms from the first traced step's start")
+    figure.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in shown.values()], list(shown), loc="upper right",
+                  fontsize="x-small", ncol=min(len(shown), 6) or 1)
+    figure.tight_layout(rect=(0, 0, 1, 0.95))
+    figure.savefig(path, dpi=100, format="png")
+    plt.close(figure)

@@ -1,0 +1,102 @@
+"""The step breakdown (pipeline.breakdown) and the scaling model (pipeline.scaling): the arithmetic on
+made-up stamps, then the instruments in real DDP ranks over gloo."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline import scaling
+from pipeline.breakdown import step_breakdown, union_length
+from tests.ddp_harness import learnable_data, rank_dir, run_ranks, train_config
+
+
+def test_communication_during_the_backward_is_overlapped_and_the_rest_exposed():
+    # data 1, forward 2, backward 6 (from 3 to 9), optimizer 1. Bucket A is handed over at 5 and
+    # done at 7 (inside the backward's compute, which ends when the last bucket, B, is handed over
+    # at 8); B runs 8 to 9.5: the step waited for it.
+    row = step_breakdown([1.0, 2.0, 6.0, 1.0], [(5.0, 7.0), (8.0, 9.5)])
+    assert row["comm"] == pytest.approx(3.5)
+    assert row["comm_overlapped"] == pytest.approx(2.0)
+    assert row["comm_exposed"] == pytest.approx(1.5)
+    assert row["backward_compute"] == pytest.approx(4.5)
+    parts = ("data", "forward", "backward_compute", "comm_exposed", "optimizer")
+    assert sum(row[p] for p in parts) == pytest.approx(row["step"]) == pytest.approx(10.0)
+    # One bucket, handed over when the last gradient is ready: nothing can overlap it.
+    alone = step_breakdown([1.0, 2.0, 6.0, 1.0], [(8.0, 9.0)])
+    assert alone["comm_overlapped"] == 0 and alone["comm_exposed"] == pytest.approx(1.0)
+    assert union_length([(0, 2), (1, 3), (5, 6)]) == pytest.approx(4.0)
+
+
+def test_the_ring_all_reduce_follows_thakur_rabenseifner_gropp():
+    link = scaling.Link("x", latency_s=1e-5, per_byte_s=2e-9, source="")
+    # 2(p-1)·α + (p-1)/p·n·(2β+γ) at p = 4, n = 1 MB
+    assert link.allreduce_s(1e6, 4) == pytest.approx(6e-5 + 0.75 * 1e6 * 2e-9)
+    assert link.allreduce_s(1e6, 1) == 0
+    # A named link's bus bandwidth is nccl-tests' busbw: algbw × 2(p-1)/p.
+    nvlink = scaling.named_link("nvlink", busbw_gbps=100, latency_us=0)
+    seconds = nvlink.allreduce_s(1e9, 8)
+    assert (1e9 / seconds) * 2 * 7 / 8 == pytest.approx(100e9)
+
+
+def test_commcheck_sweep_gives_back_the_link_it_was_made_with():
+    truth = scaling.Link("truth", latency_s=50e-6, per_byte_s=4e-9, source="")
+    sweep = [{"primitive": "all_reduce", "bytes": n, "time_us": truth.allreduce_s(n, 2) * 1e6}
+             for n in (4, 64, 1024, 16384, 262144, 1048576)]
+    link = scaling.measured_link({"world_size": 2, "backend": "gloo", "sweep": sweep})
+    assert link.latency_s == pytest.approx(truth.latency_s, rel=0.01)
+    assert link.per_byte_s == pytest.approx(truth.per_byte_s, rel=0.01)
+    # A sweep that stopped while latency ruled says nothing about bandwidth.
+    assert scaling.measured_link({"world_size": 2, "sweep": sweep[:4]}) is None
+
+
+def test_a_bucket_ready_early_hides_its_all_reduce_behind_the_backward():
+    link = scaling.Link("x", latency_s=0.0, per_byte_s=1e-3, source="")  # 2 ranks: 0.5 ms per byte
+    early = [{"bytes": 2, "ready_fraction": 0.2}, {"bytes": 2, "ready_fraction": 1.0}]
+    comm, exposed = scaling.ddp_exposed_s(early, backward_compute_s=0.01, link=link, ranks=2)
+    assert comm == pytest.approx(0.002) and exposed == pytest.approx(0.001)  # the first bucket is hidden
+    comm, exposed = scaling.ddp_exposed_s(early, backward_compute_s=0.0001, link=link, ranks=2)
+    # A backward too short to hide anything: both run after 20 us, back to back, 0.1 ms of it hidden.
+    assert exposed == pytest.approx(0.00002 + 0.002 - 0.0001)
+
+
+def _train(r: int, world: int, out: str, breakdown_steps: int) -> None:
+    from pipeline.loop import Training, train, weight_checksum
+    from pipeline.parallel import Rank
+
+    config = dataclasses.replace(train_config(60), breakdown_steps=breakdown_steps, trace_steps=2,
+                                 throughput_warmup_steps=2)
+    folder = rank_dir(Path(out), r)
+    model, history = train(Training(config, "ddp", Rank(r, r, world, world), torch.device("cpu"), folder),
+                           learnable_data(60 * 12), learnable_data(30, seed=1))
+    result = {"checksum": weight_checksum(model), "breakdown": history[-1].get("breakdown"),
+              "trace": sorted(p.name for p in (folder / "traces").glob("*.json"))}
+    (folder / f"result-{breakdown_steps}.json").write_text(json.dumps(result))
+
+
+def test_ddp_ranks_measure_their_buckets_and_trace_at_an_odd_world_size(tmp_path):
+    """3 ranks: the comm hook keeps DDP's arithmetic (the same weights, bit for bit, as DDP's
+    built-in all-reduce), every rank measures its one bucket of the model's gradients, and each
+    rank's trace holds gloo's all-reduce beside the phases."""
+    from pipeline.model import build_model
+
+    for steps in (0, 6):
+        run_ranks(3, _train, str(tmp_path), steps)
+    results = [[json.loads((tmp_path / f"rank-{r}" / f"result-{steps}.json").read_text()) for r in range(3)]
+               for steps in (0, 6)]
+    off, on = results
+    assert {r["checksum"] for r in off} == {r["checksum"] for r in on} and len({r["checksum"] for r in on}) == 1
+    assert off[0]["breakdown"] is None
+    gradient_bytes = sum(p.numel() * 4 for p in build_model("small").parameters())
+    for r, result in enumerate(on):
+        ranks = result["breakdown"]
+        assert len(ranks) == 3 and ranks[r]["steps"] == 6
+        median = ranks[r]["median_s"]
+        assert median["comm"] > 0 and 0 <= median["comm_exposed"] <= median["comm"]
+        assert [b["bytes"] for b in ranks[r]["buckets"]] == [gradient_bytes]  # under DDP's first 1 MiB bucket
+        assert result["trace"] == [f"trace-rank-{r}.json"]
+        lanes = {bar["lane"] for bar in ranks[r]["timeline"]}
+        names = {bar["name"] for bar in ranks[r]["timeline"]}
+        assert lanes == {"phases", "collectives"} and {"forward", "backward", "gloo:all_reduce"} <= names

@@ -1,0 +1,41 @@
+"""The scaling model against DDP on two emulated hosts whose link we shape (tests/shaped.py):
+unshaped, about 1 Gbit/s and about 100 Mbit/s. In each, commcheck measures the link, DDP trains
+across it, and the predicted median step must be within 25% of the measured one; the share of the
+step spent waiting on communication must rise as the link slows (see the test for the noise
+between the two fast settings)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.hosts import TwoHosts, skip_reason
+from tests.shaped import RATES_MBIT, measure, node_dirs, prepared_project
+
+pytestmark = [pytest.mark.multinode,
+              pytest.mark.skipif(skip_reason() is not None, reason=f"multinode: {skip_reason()}")]
+
+
+def test_the_predicted_step_follows_the_measured_one_as_the_link_slows(tmp_path, mnist_dir):
+    project = prepared_project(tmp_path, mnist_dir)
+    dirs = node_dirs(project, tmp_path)
+    with TwoHosts() as hosts:
+        settings = [measure(hosts, dirs, mbit, tmp_path) for mbit in RATES_MBIT]
+    table = "\n".join(f"{s['link']}: step {s['measured_step_s'] * 1e3:.1f} ms, predicted "
+                      f"{s['prediction']['predicted_step_s'] * 1e3:.1f} ms, exposed share {s['exposed_share']:.0%}"
+                      for s in settings)
+    print(table)
+    for s in settings:
+        assert s["breakdown"]["nodes"] == 2 and s["breakdown"]["world_size"] == 2, table
+        assert abs(s["prediction"]["prediction_error"]) <= 0.25, table
+    # commcheck saw each slower link as slower, and the model's all-reduce grew with it.
+    busbw = [s["link_busbw_gbps"] for s in settings]
+    assert busbw[0] > busbw[1] > busbw[2], busbw
+    comm = [s["prediction"]["predicted_exposed_s"] for s in settings]
+    assert comm[0] < comm[1] < comm[2], comm
+    # The measured share of the step spent on communication rises as the link slows. Unshaped and
+    # at 1 Gbit/s this model's all-reduce (about 1 and 8 ms) sits near this shared machine's noise
+    # in a step's exposed time (a few ms: scheduling on 2 cores), so those two may tie within 2 points.
+    shares = [s["exposed_share"] for s in settings]
+    assert shares[1] >= shares[0] - 0.02 and shares[2] > max(shares[:2]) + 0.1, table
+    # The shaping took: at 100 Mbit/s (12.5 MB/s each way) commcheck saw no faster a link.
+    assert settings[2]["link_busbw_gbps"] < 0.0125 * 1.25, table
