@@ -127,9 +127,10 @@ def timed_data_parallel(dp: nn.DataParallel, clock: StepClock, parts: dict[str, 
         original = getattr(dp, method)
 
         def timed(*args, _original=original, _part=part, **kwargs):
-            if not parts.get("recording"):
-                return _original(*args, **kwargs)
+            # A range for the trace (nothing without a profiler running); stamps on measured steps.
             with torch.profiler.record_function(f"dp:{_part}"):
+                if not parts.get("recording"):
+                    return _original(*args, **kwargs)
                 start = clock.stamp()
                 result = _original(*args, **kwargs)
                 parts[_part].append((start, clock.stamp()))
@@ -186,6 +187,9 @@ class Probe:
         self.open_range = None
         self.profiler = None
         self.trace_file: Path | None = None
+        # Seconds the profiler itself took (its start, stop and trace export) this epoch: left out
+        # of the epoch's training time, which the traced steps themselves stay in.
+        self.overhead_s = 0.0
 
     def attach(self, wrapped: nn.Module, rank_world: int) -> None:
         if not self.window:
@@ -199,6 +203,7 @@ class Probe:
     def start_epoch(self, steps: int, measure: bool) -> None:
         """Where this epoch's window and traced steps fall: after the warm-up when the epoch is long
         enough, else as late as they fit (the window first gives way)."""
+        self.overhead_s = 0.0
         self.measure = bool(self.window) and measure
         self.traced = min(self.trace_steps, steps) if self.measure else 0
         self.first = min(self.warmup, max(0, steps - self.window - self.traced))
@@ -214,7 +219,9 @@ class Probe:
     def start_step(self, step: int) -> None:
         self.step = step
         if self.in_trace(step) and self.profiler is None:
+            started = time.perf_counter()
             self.profiler = start_profiler(self.clock.cuda)
+            self.overhead_s += time.perf_counter() - started
         window = self.in_window(step)
         if self.comm is not None:
             self.comm.step = step if window else None
@@ -231,10 +238,12 @@ class Probe:
         self._range(None)
         if self.profiler is not None and not self.in_trace(self.step + 1):
             if self.clock.cuda:
-                torch.cuda.synchronize()
+                torch.cuda.synchronize()  # the traced steps' kernels are the steps' own time
+            started = time.perf_counter()
             self.profiler.stop()
-            self.trace_file = export_trace(self.profiler, self.trace_dir)
+            self.trace_file = export_trace(self.profiler, self.trace_dir, self.clock.cuda)
             self.profiler = None
+            self.overhead_s += time.perf_counter() - started
 
     def _range(self, name: str | None) -> None:
         """The phase as a record_function range, on traced steps only (outside them it costs nothing)."""
@@ -307,24 +316,28 @@ class Probe:
 
 
 def start_profiler(cuda: bool):
-    # Kineto prints a line at every start and stop (its USDT level, 5) and, on a CUDA build without
-    # a GPU, an ERROR for the device query: 6 silences both; the trace says whether it worked.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
+    if cuda:  # Kineto's errors stay visible: a CUPTI that cannot attach is the user's to know
         activities.append(torch.profiler.ProfilerActivity.CUDA)
+    else:
+        # On the CPU Kineto prints a line at every start and stop (its level 5) and, from a CUDA
+        # build, an ERROR for the missing GPU: 6 silences both.
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     profiler = torch.profiler.profile(activities=activities)
     profiler.start()
     return profiler
 
 
-def export_trace(profiler, folder: Path | None) -> Path | None:
+def export_trace(profiler, folder: Path | None, cuda: bool) -> Path | None:
     if folder is None:
         return None
     folder.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank() if dist.is_initialized() else 0
     path = folder / f"trace-rank-{rank}.json"
     profiler.export_chrome_trace(str(path))
+    if cuda and '"cat": "kernel"' not in path.read_text():
+        log.warning("%s: the profiler recorded no GPU kernel (CUPTI unavailable, or taken by another "
+                    "profiler?): the trace shows the CPU side only", path)
     return path
 
 
@@ -333,13 +346,15 @@ def timeline(trace_file: Path, rank: int, steps: int = 2) -> list[dict]:
     times from the first phase's start. Lanes: the training thread's phases (and DataParallel's
     parts), the backend's collectives (on whatever thread or stream runs them), the GPU's kernels."""
     events = [e for e in json.loads(trace_file.read_text()).get("traceEvents", []) if e.get("ph") == "X"]
-    phases = [e for e in events if e["name"] in PHASES]
+    phases = [e for e in events if e["name"] in PHASES and e.get("cat") != "gpu_user_annotation"]
     if not phases:
         return []
     origin = min(e["ts"] for e in phases)
     bars = []
     for e in events:
         name = e["name"]
+        if e.get("cat") == "gpu_user_annotation":  # a range's copy on the GPU's timeline: drawn once
+            continue
         if name in PHASES or name.startswith("dp:"):
             lane = "phases" if name in PHASES else "DataParallel"
         elif name.startswith(COMM_EVENT_PREFIXES):

@@ -103,8 +103,9 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
               "| of it exposed (ms) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for mode, p in report["predictions"].items():
         if p is None:
-            lines.append(f"| {mode} | | | n/a: no link measured for this world (commcheck off, failed, or its "
-                         "all_reduce stopped below 64 KiB) | | | |")
+            why = ("no link measured for this world (commcheck off, failed, or its all_reduce stopped below 64 KiB)"
+                   if scaling.slowest_rank(breakdowns[mode]) else "no step measured (train.breakdown_steps: 0)")
+            lines.append(f"| {mode} | | | n/a: {why} | | | |")
             continue
         error = "n/a" if p["prediction_error"] is None else f"{p['prediction_error']:+.1%}"
         lines.append(f"| {mode} | {p['world_size']} | {_ms(p['measured_step_s'])} | {_ms(p['predicted_step_s'])} | "

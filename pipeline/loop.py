@@ -294,13 +294,15 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
             probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
             label_smoothing=config.label_smoothing)
-        train_time = time.perf_counter() - started
+        train_time = time.perf_counter() - started - probe.overhead_s
 
         rank_samples = sum(shares)
         rank_loss = loss_sum.item() / max(1, rank_samples)
         # Steady state: the steps after the warm-up (cuDNN/cuBLAS handles, algorithm choice, lazy
         # kernel loading, DDP's bucket rebuild), which on a fast GPU dominate a short epoch.
         steady_time = probe.clock.seconds_since_step(config.throughput_warmup_steps)
+        if steady_time is not None and probe.traced and probe.first + probe.measured >= config.throughput_warmup_steps:
+            steady_time -= probe.overhead_s  # the profiler's own start, stop and export ran in it
         steady_samples = sum(shares[config.throughput_warmup_steps:])
         # Each step's loss sum rides along in the epoch's one all_reduce: the loss curve of the
         # global batches (loss_windows), the same in every mode.

@@ -13,7 +13,7 @@ in every all-reduce, so a step, from one all-reduce's end to the next's, is the 
 rank slowest to hand its last bucket over, plus that exposed communication.
 
 DataParallel (one process, several GPUs): the forward is scatter + replicate + replicas + gather,
-each measured; at N GPUs replicate grows with N, the replicas' compute shrinks with the per-GPU
+each measured on GPU 0's stream (so the other GPUs' replicas, when slower, show up in gather); at N GPUs replicate grows with N, the replicas' compute shrinks with the per-GPU
 batch, scatter and gather move the same bytes. The backward (with the gradient reduce onto GPU 0)
 and the optimizer are kept as measured.
 """
@@ -50,7 +50,8 @@ def measured_link(comm: dict) -> Link | None:
     mean_n = statistics.fmean(n for n, _ in large)
     mean_t = statistics.fmean(t for _, t in large)
     slope = max(0.0, sum((n - mean_n) * (t - mean_t) for n, t in large) / sum((n - mean_n) ** 2 for n, _ in large))
-    latency = max(0.0, statistics.median(t - slope * n for n, t in points if n <= 16384))
+    small = [(n, t) for n, t in points if n <= 16384] or [min(points)]  # commcheck.min_bytes may be larger
+    latency = max(0.0, statistics.median(t - slope * n for n, t in small))
     largest = max(n for n, _ in points)
     return Link("commcheck", latency / (2 * (ranks - 1)), slope * ranks / (ranks - 1),
                 f"commcheck's all_reduce sweep ({ranks} ranks, {comm.get('backend')}, up to {largest} bytes)")

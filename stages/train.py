@@ -81,10 +81,10 @@ def breakdown_summary(config: Config, mode: str, rank: parallel.Rank, device, hi
             "dp_devices": parallel.dp_device_count(device) if mode == "dp" else None,
             "batch_shares": batch_shares_label(config.train.batch_size, mode, rank, device),
             "ranks": [{"rank": r, **b} for r, b in enumerate(ranks) if b],
-            "link": measured_link(rank) if mode == "ddp" else None}
+            "link": measured_link(rank, device) if mode == "ddp" else None}
 
 
-def measured_link(rank: parallel.Rank) -> dict | None:
+def measured_link(rank: parallel.Rank, device) -> dict | None:
     """commcheck's all_reduce sweep, when it measured this training's world: the link the scaling
     model computes DDP's communication on (read here, not by compare, so a commcheck that runs
     on every `dvc repro` does not make compare run again)."""
@@ -93,8 +93,9 @@ def measured_link(rank: parallel.Rank) -> dict | None:
         facts = json.loads(comm.read_text())
     except (OSError, ValueError):
         return None
-    if not facts.get("passed") or facts.get("world_size") != rank.world_size:
-        return None
+    if not facts.get("passed") or facts.get("world_size") != rank.world_size or facts.get("device") != device.type \
+            or facts.get("backend") != parallel.backend_for(device):
+        return None  # measured on other devices, or another world: not this training's link
     return {"world_size": facts["world_size"], "backend": facts.get("backend"),
             "sweep": [r for r in facts.get("sweep", []) if r["primitive"] == "all_reduce"]}
 

@@ -117,6 +117,7 @@ def measure(hosts: list[Host], dirs: list[Path], mbit: int | None, logs: Path) -
     step = statistics.median(intervals)
     exposed = step - statistics.median(ready)
     return {"link": label(mbit), "mbit": mbit, "breakdown": breakdown,
+            # None with no link, or one whose sweep showed latency alone (no slope: no bandwidth seen).
             "link_busbw_gbps": 2 / link.per_byte_s / 1e9 if link and link.per_byte_s else None,
             "measured_step_s": step, "comm_exposed_s": exposed, "exposed_share": exposed / step,
             "prediction": prediction}

@@ -50,6 +50,8 @@ def test_commcheck_sweep_gives_back_the_link_it_was_made_with():
     assert link.per_byte_s == pytest.approx(truth.per_byte_s, rel=0.01)
     # A sweep that stopped while latency ruled says nothing about bandwidth.
     assert scaling.measured_link({"world_size": 2, "sweep": sweep[:4]}) is None
+    # One that starts above 16 KiB (commcheck.min_bytes) takes its latency from its smallest message.
+    assert scaling.measured_link({"world_size": 2, "sweep": sweep[4:]}).per_byte_s == pytest.approx(truth.per_byte_s)
 
 
 def test_a_bucket_ready_early_hides_its_all_reduce_behind_the_backward():

@@ -28,7 +28,8 @@ def test_the_predicted_step_follows_the_measured_one_as_the_link_slows(tmp_path,
         assert s["breakdown"]["nodes"] == 2 and s["breakdown"]["world_size"] == 2, table
         assert abs(s["prediction"]["prediction_error"]) <= 0.25, table
     # commcheck saw each slower link as slower, and the model's all-reduce grew with it.
-    busbw = [s["link_busbw_gbps"] for s in settings]
+    # (None: no time grew with the size, so fast that only latency showed.)
+    busbw = [s["link_busbw_gbps"] or float("inf") for s in settings]
     assert busbw[0] > busbw[1] > busbw[2], busbw
     comm = [s["prediction"]["predicted_exposed_s"] for s in settings]
     assert comm[0] < comm[1] < comm[2], comm

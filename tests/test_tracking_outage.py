@@ -94,7 +94,7 @@ def assert_runs_complete(project: Path, uri: str) -> None:
     for key in ("val_accuracy", "train_loss", "samples_per_s"):  # every epoch, none lost
         assert [m.step for m in client.get_metric_history(parent.info.run_id, key)] == list(range(1, EPOCHS + 1))
     assert [m.step for m in client.get_metric_history(child.info.run_id, "loss")] == list(range(1, EPOCHS + 1))
-    assert {a.path for a in client.list_artifacts(child.info.run_id)} == {"rank-0.log"}
+    assert {a.path for a in client.list_artifacts(child.info.run_id)} == {"rank-0.log", "trace-rank-0.json"}
     assert {"checkpoint.pt", "single.csv", "params.yaml"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
     mlflow.set_tracking_uri(uri)
     logged = load_model(f"runs:/{parent.info.run_id}/model")
