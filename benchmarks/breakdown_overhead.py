@@ -12,33 +12,18 @@ the profiled steps) and of the whole command, with the ratio on/off. The goal: a
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import yaml
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ROOT = Path(__file__).resolve().parents[1]
+from tracking_overhead import on_off_medians  # noqa: E402
 
 
-def run_once(project: Path, mode: str, on: bool, env: dict) -> tuple[float, float]:
-    params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    params["tracking"]["enabled"] = False
+def breakdown(params: dict, on: bool) -> None:
+    params["tracking"]["enabled"] = False  # the loop alone: MLflow's cost is tracking_overhead.py's
     if not on:
         params["train"].update(breakdown_steps=0, trace_steps=0)
-    (project / "params.yaml").write_text(yaml.safe_dump(params))
-    started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "stages", "train", "--mode", mode], cwd=project, env=env, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wall = time.perf_counter() - started
-    loop = json.loads((project / "results/train" / f"{mode}.json").read_text())["train_time_s"]
-    return wall, loop
 
 
 def main() -> None:
@@ -46,30 +31,13 @@ def main() -> None:
     parser.add_argument("--mode", default="ddp", choices=["single", "dp", "ddp"])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-
-    with tempfile.TemporaryDirectory() as tmp:
-        project = Path(tmp)
-        for name in ("pipeline", "stages", "deploy"):
-            shutil.copytree(ROOT / name, project / name, ignore=shutil.ignore_patterns("__pycache__"))
-        env = {**os.environ, "PYTHONPATH": str(project)}
-        if "MNIST_SOURCE" in env:  # the stages run in the copy: a relative path must not move with them
-            env["MNIST_SOURCE"] = str(Path(env["MNIST_SOURCE"]).resolve())
-        shutil.copy(ROOT / "params.yaml", project / "params.yaml")
-        subprocess.run([sys.executable, "-m", "stages", "prepare"], cwd=project, env=env, check=True,
-                       stdout=subprocess.DEVNULL)
-        results: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
-        for _ in range(args.repeats):
-            for on in (False, True):  # alternating, so drift in machine load hits both alike
-                results[on].append(run_once(project, args.mode, on, env))
+    medians = on_off_medians(args.mode, args.repeats, breakdown)
 
     print(f"\nStep breakdown overhead, `train --mode {args.mode}`, default params, median of {args.repeats}\n")
     print("| breakdown | training loop, s | whole command, s |")
     print("|---|---:|---:|")
-    medians = {}
     for on in (False, True):
-        wall = statistics.median(w for w, _ in results[on])
-        loop = statistics.median(lp for _, lp in results[on])
-        medians[on] = (wall, loop)
+        wall, loop = medians[on]
         print(f"| {'on' if on else 'off'} | {loop:.2f} | {wall:.1f} |")
     ratio = medians[True][1] / medians[False][1]
     print(f"\non / off: training loop {ratio:.3f}x (goal <= 1.05), whole command "
