@@ -14,12 +14,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline import forkserver
 from pipeline.errors import ConfigError, PipelineError
 
 log = logging.getLogger(__name__)
@@ -347,11 +348,13 @@ def all_gather_objects(value, rank: Rank) -> list:
     return gathered
 
 
-def launch_workers(nproc: int, argv: Sequence[str]) -> None:
-    """Run `python argv...` as `nproc` torchrun workers on this node and wait for them all.
+def launch_workers(nproc: int, entrypoint: Callable[..., None], args: Sequence[str]) -> None:
+    """Run `entrypoint(*args)` as `nproc` torchrun workers on this node and wait for them all.
 
     This is what `torchrun --standalone --nproc-per-node N` does, through its Python API, so the
-    workers see exactly the environment an outer torchrun would give them.
+    workers see exactly the environment an outer torchrun would give them. Each worker is a fork
+    of the preloaded fork server (pipeline.forkserver), not a fresh interpreter: it starts with its
+    imports done.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -368,9 +371,10 @@ def launch_workers(nproc: int, argv: Sequence[str]) -> None:
         local_addr="127.0.0.1",
         max_restarts=0,
         monitor_interval=0.2,
+        start_method=forkserver.START_METHOD,
     )
     try:
-        elastic_launch(config, entrypoint=argv[0])(*argv[1:])
+        elastic_launch(config, entrypoint=entrypoint)(*args)
     except ChildFailedError as exc:
         failures = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(exc.failures.items()))
         raise PipelineError(f"ddp worker(s) failed: {failures}; see the worker's message above") from None

@@ -538,25 +538,48 @@ def _log_model(client, uri: str, op: dict) -> None:
     mlflow.set_experiment(experiment_id=client.get_run(op["run"]).info.experiment_id)
     registered = op.get("registered")
     code = mlflow_model.__file__
-    info = Model.log(
-        None,  # artifact_path, which MLflow 3 replaced by name
-        name="model",
-        flavor=mlflow.pyfunc,
-        run_id=op["run"],
-        python_model=code,
-        artifacts={mlflow_model.WEIGHTS: str(path)},
-        input_example=example,
-        signature=infer_signature(example, output),
-        # Pinned, not inferred: inference reloads the model in a subprocess, which is slow.
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
-        registered_model_name=registered,
-        flavor_name=mlflow.pyfunc._get_pyfunc_model_flavor_name(code),
-    )
+    with _requirements_known_met():
+        info = Model.log(
+            None,  # artifact_path, which MLflow 3 replaced by name
+            name="model",
+            flavor=mlflow.pyfunc,
+            run_id=op["run"],
+            python_model=code,
+            artifacts={mlflow_model.WEIGHTS: str(path)},
+            input_example=example,
+            signature=infer_signature(example, output),
+            # Pinned, not inferred: inference reloads the model in a subprocess, which is slow.
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
+            registered_model_name=registered,
+            flavor_name=mlflow.pyfunc._get_pyfunc_model_flavor_name(code),
+        )
     if registered:  # the mode names its version: models:/<name>@<mode> is what that mode trained
         version = str(info.registered_model_version)
         client.set_registered_model_alias(registered, op["mode"], version)
         for key, value in {"mode": op["mode"], "run_id": op["run"], **git_facts()}.items():
             client.set_model_version_tag(registered, version, key, value)
+
+
+@contextmanager
+def _requirements_known_met() -> Iterator[None]:
+    """Model.log without MLflow's check that this environment satisfies the model's pip
+    requirements (made when it saves the model, and again when it loads it back to validate the
+    input example): they are pinned to the very torch and MLflow running here, so it cannot find
+    a mismatch, and it costs more than half a bare torch import per process (it reads the file list
+    of every installed package; benchmarks/pipeline_overhead.py). Where a newer MLflow moved the
+    check, it runs as before."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    import mlflow.pyfunc
+    from mlflow.utils import environment
+
+    with ExitStack() as patches:
+        for module in (environment, mlflow.pyfunc):
+            if hasattr(module, "warn_dependency_requirement_mismatches"):
+                patches.enter_context(mock.patch.object(module, "warn_dependency_requirement_mismatches",
+                                                        lambda requirements: None))
+        yield
 
 
 def load_model(model_uri: str):

@@ -8,7 +8,7 @@ import traceback
 
 import click
 
-from pipeline import __version__, malloc
+from pipeline import __version__, forkserver, malloc
 from pipeline.errors import PipelineError
 
 DEBUG_ENV = "MNIST_PIPELINE_DEBUG"  # =1: every error also shows its traceback
@@ -31,6 +31,17 @@ class PipelineGroup(click.Group):
             return None
         return getattr(importlib.import_module(COMMANDS[name]), name.replace("-", "_"))
 
+    def resolve_command(self, ctx: click.Context, args: list[str]):
+        """Before the command's module loads (torch, for most): -v for this process and the workers
+        it starts, and the fork server those workers come from, which imports meanwhile."""
+        if ctx.params.get("verbose"):
+            from stages.common import VERBOSE_ENV  # only here: this module imports no stage's code
+
+            os.environ[VERBOSE_ENV] = "1"
+        if args and launches_local_workers(args[0], args[1:]):
+            forkserver.start(args[0])
+        return super().resolve_command(ctx, args)
+
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
@@ -41,6 +52,38 @@ class PipelineGroup(click.Group):
             if message is None:  # a bug: its traceback is the report
                 raise
             raise click.ClickException(_shown(exc, message)) from None
+
+
+def launches_local_workers(name: str, args: list[str]) -> bool:
+    """Whether the command will start DDP workers on this machine: commcheck, or train --mode ddp,
+    with train.launcher: local and outside torchrun. A wrong guess costs time, not correctness:
+    the launch starts the fork server itself when it is not running, and one started for nothing
+    ends with this process."""
+    from pipeline.config import load_config
+
+    if name not in ("train", "commcheck") or any(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
+        return False
+    try:
+        config = load_config(option_value(args, "--params") or "params.yaml")
+    except (PipelineError, OSError):  # the command itself says what is wrong with the file
+        return False
+    if config.train.launcher != "local":
+        return False
+    if name == "commcheck":
+        return config.commcheck.enabled and "ddp" in config.train.modes
+    if "--mode-of-dvc-stage" in args:
+        return os.environ.get("DVC_STAGE", "").endswith("train@ddp")
+    return option_value(args, "--mode") == "ddp"
+
+
+def option_value(args: list[str], name: str) -> str | None:
+    """The value of option `name` in `args` (`--name value` or `--name=value`), None without it."""
+    for index, arg in enumerate(args):
+        if arg == name and index + 1 < len(args):
+            return args[index + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
 
 
 def _shown(exc: BaseException, message: str) -> str:
@@ -101,10 +144,6 @@ def main(verbose: bool) -> None:
     """Train MNIST under single-device, DataParallel and DistributedDataParallel, and compare.
 
     Each command is one DVC stage (dvc.yaml), reading its settings from params.yaml."""
-    if verbose:  # the workers a stage starts inherit it
-        from stages.common import VERBOSE_ENV  # only then: this module imports no stage's code
-
-        os.environ[VERBOSE_ENV] = "1"
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     # Before any tensor: every step then reuses memory the process has (see pipeline.malloc).
     malloc.keep_freed_memory()

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline import parallel
+from pipeline import forkserver, parallel
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 
@@ -20,7 +20,23 @@ def launch_workers(config: Config, command: list[str]) -> None:
     """Run `mnist-pipeline <command>` as one worker per device, as torchrun would."""
     nproc = config.train.nproc or parallel.default_nproc(config.train.device)
     click.echo(f"{command[0]}: launching {nproc} workers")
-    parallel.launch_workers(nproc, [sys.executable, "-m", "stages", *command])
+    forkserver.start(command[0])  # the CLI started it already, unless it could not tell it would launch
+    parallel.launch_workers(nproc, run_worker_command, command)
+
+
+def run_worker_command(*command: str) -> None:
+    """A worker's life, in a fork of the fork server (pipeline.forkserver): `mnist-pipeline
+    <command>`, as a fresh `python -m stages <command>` would run it under torchrun. It returns on
+    success (torchrun's agent waits for each worker's return value) and exits non-zero on failure,
+    having printed why, as the command does."""
+    from stages.cli import main
+
+    sys.argv = ["mnist-pipeline", *command]
+    try:
+        main(list(command), prog_name="mnist-pipeline")
+    except SystemExit as done:
+        if done.code not in (0, None):
+            raise
 
 
 def gpu_request(config: Config) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -198,3 +199,29 @@ def mlflow_server(tmp_path_factory):
     proc, uri, log = start_mlflow_server(tmp_path_factory.mktemp("mlflow-server"))
     yield uri
     stop_mlflow_server(proc, log)
+
+
+def ddp_worker_pids(launcher: int) -> dict[int, int]:
+    """rank -> pid of the launcher's training workers: the processes under it (torchrun's agent
+    forks them from the fork server, pipeline.forkserver) that hold a rank's log open."""
+    parents = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            status = (proc / "status").read_text() if proc.name.isdigit() else ""
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("PPid:"):
+                parents[int(proc.name)] = int(line.split()[1])
+    under, found = {launcher}, {}
+    for _ in range(3):  # the launcher, the fork server, the workers
+        under |= {pid for pid, parent in parents.items() if parent in under}
+    for pid in under - {launcher}:
+        try:
+            targets = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:
+            continue
+        for target in targets:
+            if (log := re.search(r"/logs/rank-(\d+)\.log$", target)):
+                found[int(log[1])] = pid
+    return found

@@ -5,29 +5,11 @@ import os
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import SMALL, make_project, project_env, run, subprocess_env
-
-
-def worker_pids(launcher: int) -> dict[int, int]:
-    """rank -> pid of the launcher's training workers, read from their environment."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            environ = dict(item.split("=", 1) for item in (proc / "environ").read_bytes().decode().split("\0") if "=" in item)
-            status = (proc / "status").read_text()
-        except (OSError, ValueError):
-            continue
-        parent = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
-        if parent == launcher and "RANK" in environ:
-            found[int(environ["RANK"])] = int(proc.name)
-    return found
+from tests.conftest import SMALL, ddp_worker_pids, make_project, project_env, run, subprocess_env
 
 
 @pytest.mark.parametrize("victim", [0, 1])
@@ -50,7 +32,7 @@ def test_every_run_ends_failed_when_a_rank_is_killed(tmp_path, mnist_dir, victim
             time.sleep(0.5)
         else:
             pytest.fail("training never finished an epoch")
-        os.kill(worker_pids(proc.pid)[victim], signal.SIGKILL)
+        os.kill(ddp_worker_pids(proc.pid)[victim], signal.SIGKILL)
         _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

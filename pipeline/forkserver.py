@@ -1,0 +1,38 @@
+"""DDP workers that start with their imports done: forks of a server that imported them while the
+launcher did its own checks.
+
+A local launch (`train --mode ddp`, `commcheck`) used to start each worker as a fresh `python`,
+which imported torch, MLflow and torch._dynamo after the launcher had imported torch (and MLflow)
+for its own checks: two import chains in a row on the stage's critical path, more than two bare
+torch imports (benchmarks/pipeline_overhead.py). Now the command starts multiprocessing's fork
+server first thing, before it imports torch itself. The server imports what a worker needs
+(pipeline.preloaded) on another core while the launcher imports and checks, and torchrun's own
+agent (elastic_launch, with its rendezvous, environment and failure handling as before) starts each
+worker as a fork of it: start_method "forkserver".
+
+Safe on GPUs: the server is a fresh interpreter that only imports. It never touches CUDA and runs
+no Python thread, so each fork initialises CUDA for itself as a fresh process would. Under an
+outer torchrun, Slurm or Kubeflow nothing here runs: the worker is the process they started.
+
+Imports nothing heavy: the CLI calls `start` before it loads the stage's module.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+
+# What the server imports for each command's workers, once (pipeline/preloaded.py says why).
+PRELOAD = {"commcheck": ["pipeline.preloaded", "stages.commcheck"],
+           # torch.optim and torch.use_deterministic_algorithms import torch._dynamo on first use.
+           "train": ["pipeline.preloaded", "torch._dynamo", "stages.train"]}
+START_METHOD = "forkserver"  # torchrun's agent starts each worker as a fork of the server
+
+
+def start(command: str) -> None:
+    """Start the fork server for `command`'s workers now, if it is not running: it imports in the
+    background while this process goes on. It holds this process's environment as it is now,
+    which every worker inherits (torchrun's variables are set in each worker on top); it ends with
+    this process."""
+    multiprocessing.set_forkserver_preload(PRELOAD[command])
+    multiprocessing.forkserver.ensure_running()

@@ -1,0 +1,97 @@
+"""DDP workers start as forks of the fork server the CLI starts before it imports torch
+(pipeline.forkserver), which imports what they need meanwhile; the CLI starts it only for a
+command that will launch workers on this machine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stages.cli import launches_local_workers
+from tests.conftest import ROOT, SMALL, ddp_worker_pids, make_project, project_env, run, subprocess_env
+
+
+@pytest.fixture
+def params(tmp_path, monkeypatch):
+    """Write params.yaml (params.yaml's own keys, with `train` overridden) in a fresh folder."""
+    monkeypatch.chdir(tmp_path)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "DVC_STAGE"):
+        monkeypatch.delenv(key, raising=False)
+
+    def write(**train) -> Path:
+        settings = yaml.safe_load((ROOT / "params.yaml").read_text())
+        settings["train"].update(train)
+        path = tmp_path / "params.yaml"
+        path.write_text(yaml.safe_dump(settings))
+        return path
+
+    return write
+
+
+def test_the_cli_starts_the_fork_server_for_a_local_ddp_launch_only(params, monkeypatch):
+    params(modes=["single", "dp", "ddp"])
+    assert launches_local_workers("train", ["--mode", "ddp"])
+    assert launches_local_workers("train", ["--mode=ddp"])
+    assert launches_local_workers("commcheck", [])
+    assert not launches_local_workers("train", ["--mode", "single"])
+    assert not launches_local_workers("evaluate", [])
+    monkeypatch.setenv("DVC_STAGE", "train@ddp")
+    assert launches_local_workers("train", ["--mode-of-dvc-stage"])
+    monkeypatch.setenv("DVC_STAGE", "train@dp")
+    assert not launches_local_workers("train", ["--mode-of-dvc-stage"])
+    other = params(modes=["single"])  # another file, named by --params
+    other.rename(other.with_name("other.yaml"))
+    params(modes=["single", "ddp"])
+    assert not launches_local_workers("commcheck", ["--params", "other.yaml"])  # nothing uses torch.distributed
+    assert launches_local_workers("commcheck", ["--params", "params.yaml"])
+    params(modes=["ddp"], launcher="slurm")
+    assert not launches_local_workers("train", ["--mode", "ddp"])  # sbatch starts them, on other machines
+    params(modes=["ddp"])
+    monkeypatch.setenv("RANK", "0")
+    assert not launches_local_workers("train", ["--mode", "ddp"])  # a worker of an outer torchrun
+    monkeypatch.delenv("RANK")
+    Path("params.yaml").write_text("train: [")
+    assert not launches_local_workers("train", ["--mode", "ddp"])  # the command reports the broken file
+
+
+def test_ddp_workers_are_forks_of_the_preloaded_server(tmp_path, mnist_dir):
+    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 500}})
+    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    launcher = subprocess.Popen(["mnist-pipeline", "train", "--mode", "ddp"], cwd=project, text=True,
+                                env=subprocess_env(**project_env(project)), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE)
+    try:
+        deadline, workers = time.monotonic() + 180, {}
+        while time.monotonic() < deadline and len(workers) < 2 and launcher.poll() is None:
+            time.sleep(0.5)
+            workers = ddp_worker_pids(launcher.pid)
+        assert sorted(workers) == [0, 1], launcher.stderr.read() if launcher.poll() is not None else workers
+        servers = {parent_of(pid) for pid in workers.values()}
+        assert len(servers) == 1  # one server for both ranks...
+        server = servers.pop()
+        assert parent_of(server) == launcher.pid  # ...which the command started
+        command = Path(f"/proc/{server}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert "multiprocessing.forkserver" in command and "'pipeline.preloaded'" in command, command
+        # The workers run what the server imported: torch is mapped, not loaded anew, in each.
+        for pid in workers.values():
+            assert "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+            assert Path(f"/proc/{pid}/cmdline").read_bytes() == Path(f"/proc/{server}/cmdline").read_bytes()
+    finally:
+        launcher.send_signal(signal.SIGINT)  # Ctrl-C: the training ends its runs FAILED and stops
+        try:
+            launcher.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            raise
+    assert not any(Path(f"/proc/{pid}").exists() for pid in workers.values()), "a worker outlived the launcher"
+
+
+def parent_of(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
