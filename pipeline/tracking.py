@@ -8,6 +8,7 @@ Metrics go out in one batch per epoch and run, never per step, so tracking costs
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
+from pipeline import tracking_helper
 from pipeline.config import MODES, TrackingConfig, load_config
 from pipeline.errors import PipelineError
 from pipeline.lifecycle import stop_signals_unwind
@@ -929,6 +931,12 @@ def log_to_mode_run(config: TrackingConfig, ids: dict, metrics: dict[str, float]
     parent run a training made (see mlflow_run.json)."""
     if not config.enabled or not ids:
         return
+    metrics = {key: value for key, value in metrics.items() if isinstance(value, (int, float))}
+    if tracking_helper.call("log_to_mode_run", config=dataclasses.asdict(config), ids=ids, metrics=metrics,
+                            artifacts=[str(path) for path in artifacts], artifact_dir=artifact_dir,
+                            datasets=datasets and (str(datasets[0]), list(datasets[1]))) \
+            is not tracking_helper.NOT_SENT:
+        return
     from mlflow import MlflowClient
 
     uri = tracking_uri()
@@ -946,6 +954,10 @@ def log_compare_run(config: TrackingConfig, mode_ids: dict[str, dict], artifacts
     ids = {mode: value for mode, value in mode_ids.items() if value}
     if not config.enabled or not ids:
         return None
+    sent = tracking_helper.call("log_compare_run", config=dataclasses.asdict(config), mode_ids=mode_ids,
+                                artifacts=[str(path) for path in artifacts])
+    if sent is not tracking_helper.NOT_SENT:
+        return sent
     from mlflow import MlflowClient
 
     uri = tracking_uri()

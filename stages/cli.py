@@ -8,7 +8,7 @@ import traceback
 
 import click
 
-from pipeline import __version__, forkserver, malloc
+from pipeline import __version__, forkserver, malloc, tracking_helper
 from pipeline.errors import PipelineError
 
 DEBUG_ENV = "MNIST_PIPELINE_DEBUG"  # =1: every error also shows its traceback
@@ -33,13 +33,16 @@ class PipelineGroup(click.Group):
 
     def resolve_command(self, ctx: click.Context, args: list[str]):
         """Before the command's module loads (torch, for most): -v for this process and the workers
-        it starts, and the fork server those workers come from, which imports meanwhile."""
+        it starts, and the processes that import meanwhile: the fork server DDP workers come
+        from, or the helper that makes evaluate's and compare's MLflow calls."""
         if ctx.params.get("verbose"):
             from stages.common import VERBOSE_ENV  # only here: this module imports no stage's code
 
             os.environ[VERBOSE_ENV] = "1"
         if args and launches_local_workers(args[0], args[1:]):
             forkserver.start(args[0])
+        elif args and logs_after_training(args[0], args[1:]):
+            tracking_helper.start()
         return super().resolve_command(ctx, args)
 
     def invoke(self, ctx: click.Context):
@@ -59,21 +62,34 @@ def launches_local_workers(name: str, args: list[str]) -> bool:
     with train.launcher: local and outside torchrun. A wrong guess costs time, not correctness:
     the launch starts the fork server itself when it is not running, and one started for nothing
     ends with this process."""
-    from pipeline.config import load_config
-
     if name not in ("train", "commcheck") or any(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         return False
-    try:
-        config = load_config(option_value(args, "--params") or "params.yaml")
-    except (PipelineError, OSError):  # the command itself says what is wrong with the file
-        return False
-    if config.train.launcher != "local":
+    config = readable_params(args)
+    if config is None or config.train.launcher != "local":
         return False
     if name == "commcheck":
         return config.commcheck.enabled and "ddp" in config.train.modes
     if "--mode-of-dvc-stage" in args:
         return os.environ.get("DVC_STAGE", "").endswith("train@ddp")
     return option_value(args, "--mode") == "ddp"
+
+
+def logs_after_training(name: str, args: list[str]) -> bool:
+    """Whether the command is evaluate or compare with tracking on: its MLflow calls then go
+    through the helper (pipeline.tracking_helper), which imports MLflow meanwhile."""
+    config = readable_params(args) if name in ("evaluate", "compare") else None
+    return config is not None and config.tracking.enabled
+
+
+def readable_params(args: list[str]):
+    """The command's params file (--params, else params.yaml); None if it cannot be read, which
+    the command itself then reports."""
+    from pipeline.config import load_config
+
+    try:
+        return load_config(option_value(args, "--params") or "params.yaml")
+    except (PipelineError, OSError):
+        return None
 
 
 def option_value(args: list[str], name: str) -> str | None:

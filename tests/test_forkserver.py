@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -95,3 +96,38 @@ def test_ddp_workers_are_forks_of_the_preloaded_server(tmp_path, mnist_dir):
 def parent_of(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+# Run in a fresh interpreter, as the fork server is: every CUDA call torch could make on its way to
+# initialising the driver (cuInit), which a fork would inherit broken, is made to fail loudly.
+NO_CUDA_IN_THE_SERVER = """
+import sys
+import torch
+
+calls = []
+def refused(name):
+    def call(*args, **kwargs):
+        calls.append(name)
+        raise RuntimeError(name + " called while preloading")
+    return call
+for name in ("_cuda_getDeviceCount", "_cuda_init", "_cuda_getDevice", "_cuda_setDevice"):
+    setattr(torch._C, name, refused(name))
+torch.cuda._lazy_init = refused("torch.cuda._lazy_init")
+
+from pipeline.forkserver import PRELOAD
+for modules in PRELOAD.values():
+    for module in modules:
+        __import__(module)
+print("calls:", calls)
+"""
+
+
+def test_what_the_fork_server_imports_never_touches_cuda():
+    """The server must leave CUDA untouched: the CUDA driver cannot be used in a fork of a process
+    that initialised it. On a machine without a GPU this is what can be checked: nothing imported
+    calls into torch's CUDA runtime (device count, init, current device), not even through
+    torch.cuda.is_available()."""
+    done = subprocess.run([sys.executable, "-c", NO_CUDA_IN_THE_SERVER], cwd=ROOT, capture_output=True, text=True,
+                          env=subprocess_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("calls: []"), done.stdout

@@ -1,0 +1,131 @@
+"""The tracking calls of the stages after training (evaluate, compare), made by a helper process
+that imports MLflow while the stage itself imports torch and matplotlib and computes.
+
+MLflow with its SQL store costs more than a bare torch import to load (benchmarks/
+pipeline_overhead.py). In the stage's own process that import came before or between the stage's
+work; in a helper started first thing (stages/cli.py), it runs on another core beside it. The stage
+then sends each call (`CALLS`, pipeline.tracking's own functions, run unchanged in the helper) as
+one JSON line and waits for its answer: an error comes back as the same one-line PipelineError the
+call would have raised in the stage. Should the helper be gone, the call runs in the stage itself:
+nothing is logged differently, only later.
+
+Imports nothing heavy: the CLI starts the helper before it loads the stage's module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import PipelineError
+
+log = logging.getLogger(__name__)
+CALLS = ("log_to_mode_run", "log_compare_run")
+_running: Helper | None = None
+
+
+class Helper:
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", "pipeline.tracking_helper"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+
+    def call(self, name: str, **kwargs: Any) -> Any:
+        """`pipeline.tracking.<name>(**kwargs)`, run in the helper; None if the helper is gone."""
+        try:
+            self._proc.stdin.write(json.dumps({"call": name, "kwargs": kwargs}) + "\n")
+            self._proc.stdin.flush()
+            answer = self._proc.stdout.readline()
+        except OSError:
+            answer = ""
+        if not answer:
+            log.warning("the tracking helper process ended (exit code %s); logging from this process",
+                        self._proc.poll())
+            return NOT_SENT
+        reply = json.loads(answer)
+        if "error" in reply:
+            raise PipelineError(reply["error"])
+        if "bug" in reply:
+            raise RuntimeError(f"tracking helper, in {name}:\n{reply['bug']}")
+        return reply["result"]
+
+    def close(self) -> None:
+        try:
+            self._proc.stdin.close()  # the helper ends at the end of its input
+        except OSError:  # it is gone already (what it was sent is flushed, or lost with it)
+            pass
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+
+
+NOT_SENT = object()  # the helper is not running: the caller makes the call itself
+
+
+def start() -> None:
+    """Start the helper for this process's tracking calls (stages/cli.py, before the stage loads)."""
+    global _running
+    if _running is None:
+        _running = Helper()
+        atexit.register(_stop)
+
+
+def call(name: str, **kwargs: Any) -> Any:
+    """Run the tracking call in the helper if one runs; `NOT_SENT` if not, and the caller runs it."""
+    if _running is None:
+        return NOT_SENT
+    result = _running.call(name, **kwargs)
+    if result is NOT_SENT:
+        _stop()
+    return result
+
+
+def _stop() -> None:
+    global _running
+    if _running is not None:
+        _running.close()
+        _running = None
+
+
+def _serve() -> None:
+    """The helper: MLflow and the store loaded first, then one call per line on stdin, answered
+    on the stdout it was given (MLflow's own printing goes to stderr)."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the stage's to handle; this ends with it
+    from pipeline import tracking
+    from pipeline.config import TrackingConfig
+
+    try:  # what the first call would otherwise wait for: MLflow, and the store's schema check
+        from mlflow import MlflowClient
+
+        MlflowClient(tracking.tracking_uri()).search_experiments(max_results=1)
+    except Exception:  # the call itself reports what is wrong with the store
+        pass
+    for line in sys.stdin:
+        request = json.loads(line)
+        kwargs = request["kwargs"]
+        kwargs["config"] = TrackingConfig(**kwargs["config"])
+        kwargs["artifacts"] = [Path(path) for path in kwargs["artifacts"]]
+        if kwargs.get("datasets"):
+            kwargs["datasets"] = (Path(kwargs["datasets"][0]), tuple(kwargs["datasets"][1]))
+        try:
+            reply = {"result": getattr(tracking, request["call"])(**kwargs)}
+        except PipelineError as exc:
+            reply = {"error": str(exc)}
+        except Exception:
+            reply = {"bug": traceback.format_exc()}
+        answers.write(json.dumps(reply) + "\n")
+        answers.flush()
+
+
+if __name__ == "__main__":
+    _serve()
