@@ -4,7 +4,6 @@ command that will launch workers on this machine."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
