@@ -13,7 +13,9 @@ notes when it starts and ends and runs the real one: the rest of the stage's wal
 the time from the command's start to its first step is its first epoch line's time less that
 epoch's time (plots/train/<mode>.csv).
 
-Then it times what each kind of process the pipeline starts pays for its imports before any work.
+Then it times what each kind of process the pipeline starts pays for its imports before any work,
+and adds up what each stage imports on its critical path (CRITICAL_PATH): the floor of this design
+before any work is done (`--imports-only` prints just that).
 
 With `--against REV`, each repeat also runs the pipeline of an earlier commit (its files as git
 has them at REV, run with this project's virtual environment), the two in turn, and it prints both
@@ -157,7 +159,22 @@ PROCESS_KINDS = {
     "torch + MLflow": f"{TORCH}; {STORE}",
     "torch + MLflow + torch._dynamo: a training": f"{TORCH}; {STORE}; {DYNAMO}",
     "matplotlib": PLOTS,
+    "torch + matplotlib": f"{TORCH}; {PLOTS}",
     "dvc.repo": "import dvc.repo",
+}
+
+
+# What each stage imports on its critical path in this design, before any work: processes that
+# import side by side (a launcher and the fork server its workers come from, a stage and its
+# tracking helper) count as the slower one.
+CRITICAL_PATH = {
+    "prepare": "torch (the unit)",
+    "commcheck": "torch + MLflow",  # the fork server, beside the launcher's torch
+    "train@single": "torch + MLflow + torch._dynamo: a training",
+    "train@dp": "torch + MLflow + torch._dynamo: a training",
+    "train@ddp": "torch + MLflow + torch._dynamo: a training",  # the fork server, beside the launcher's
+    "evaluate": "torch + matplotlib",  # MLflow in the helper, beside it
+    "compare": "MLflow with its SQL store",  # in the helper; matplotlib beside it
 }
 
 
@@ -174,11 +191,28 @@ def import_costs(repeats: int) -> dict[str, float]:
     return costs
 
 
+def print_import_costs(repeats: int) -> None:
+    print(f"\nWhat a process pays to start, before any work (a fresh process each, median of {repeats})\n")
+    print("| process imports | seconds | units |")
+    print("|---|---:|---:|")
+    costs = import_costs(repeats)
+    unit = costs["torch (the unit)"]
+    for label, seconds in costs.items():
+        print(f"| {label} | {seconds:.2f} | {seconds / unit:.2f} |")
+    floor = sum(costs[kind] for kind in CRITICAL_PATH.values()) / unit
+    print(f"\nimports on the stages' critical paths in this design ({', '.join(CRITICAL_PATH)}): "
+          f"{floor:.1f} units, before any work and before DVC's own time")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="whole runs; the medians count")
     parser.add_argument("--against", metavar="REV", help="also run this commit's pipeline, in turn with this one")
+    parser.add_argument("--imports-only", action="store_true", help="only the import costs, no dvc repro")
     args = parser.parse_args()
+    if args.imports_only:
+        print_import_costs(args.repeats)
+        return
     if args.against and subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.against}^{{commit}}"],
                                        cwd=ROOT, stdout=subprocess.DEVNULL).returncode != 0:
         sys.exit(f"--against {args.against}: no such commit in {ROOT}")  # now, not after the first run
@@ -229,13 +263,7 @@ def main() -> None:
         print(f"\nfixed cost, this tree / {args.against}: "
               f"{median(lambda r: r['units']) / median(lambda r: r['units'], results[args.against]):.2f}")
 
-    print(f"\nWhat a process pays to start, before any work (a fresh process each, median of {args.repeats})\n")
-    print("| process imports | seconds | units |")
-    print("|---|---:|---:|")
-    costs = import_costs(args.repeats)
-    for label, seconds in costs.items():
-        print(f"| {label} | {seconds:.2f} | {seconds / costs['torch (the unit)']:.2f} |")
-
+    print_import_costs(args.repeats)
 
 if __name__ == "__main__":
     main()

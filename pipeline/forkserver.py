@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
 
 # What the server imports for each command's workers, once (pipeline/preloaded.py says why).
 PRELOAD = {"commcheck": ["pipeline.preloaded", "stages.commcheck"],
@@ -36,3 +37,19 @@ def start(command: str) -> None:
     this process."""
     multiprocessing.set_forkserver_preload(PRELOAD[command])
     multiprocessing.forkserver.ensure_running()
+
+
+def detach_worker() -> None:
+    """First thing in a worker the server forked, to be what torchrun's agent makes of a worker
+    it execs. A session of its own: a Ctrl-C at the terminal, or a signal to the launcher's
+    process group, reaches the agent, which passes it on once, not every worker twice. And
+    without the launcher's end of the pipe whose closing tells the server the launcher is gone
+    (CPython hands it to every child): with the launcher killed outright the server then exits,
+    and each worker gets the SIGINT torch asks for when its parent dies (PR_SET_PDEATHSIG), so no
+    worker waits forever for a launcher that will never read its result."""
+    os.setsid()
+    server = multiprocessing.forkserver._forkserver
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        server._forkserver_alive_fd = None

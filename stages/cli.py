@@ -39,10 +39,15 @@ class PipelineGroup(click.Group):
             from stages.common import VERBOSE_ENV  # only here: this module imports no stage's code
 
             os.environ[VERBOSE_ENV] = "1"
-        if args and launches_local_workers(args[0], args[1:]):
-            forkserver.start(args[0])
-        elif args and logs_after_training(args[0], args[1:]):
-            tracking_helper.start()
+        try:
+            if ctx.resilient_parsing or not args or "--help" in args or "-h" in args:
+                pass  # shell completion, or help: nothing will run
+            elif launches_local_workers(args[0], args[1:]):
+                forkserver.start(args[0])
+            elif logs_after_training(args[0], args[1:]):
+                tracking_helper.start()
+        except OSError as exc:  # no socket or process to be had: the command starts its own when it needs one
+            logging.getLogger(__name__).debug("nothing started ahead: %s", exc)
         return super().resolve_command(ctx, args)
 
     def invoke(self, ctx: click.Context):

@@ -12,7 +12,6 @@ import click
 from pipeline import comm, parallel, tracking
 from pipeline.atomic import write_json
 from pipeline.config import Config, flatten, load_config
-from pipeline.errors import PipelineError
 from pipeline.model import build_model
 from stages.common import echo_detail, params_option, verbose
 from stages.workers import launch_workers, run_facts, submit_to_slurm
@@ -78,8 +77,13 @@ def run_worker(config: Config) -> None:
             if rank.is_main:
                 echo_detail(table(rows))
             if failure:
-                # Every rank stops; rank 0 says why, once.
-                raise PipelineError(failure) if rank.is_main else SystemExit(1)
+                # Every rank stops; rank 0 says why, once, as the CLI words an error, and before any
+                # rank leaves: a rank gone is what the launcher acts on, and it would stop rank 0
+                # before its message was out.
+                if rank.is_main:
+                    click.echo(f"Error: {failure}", err=True)
+                parallel.all_gather_objects(None, rank)
+                raise SystemExit(1)
             if rank.is_main:
                 # The hardware the verdict holds for: another backend, rank count or device retrains.
                 facts = {"world_size": rank.world_size, "backend": backend, "device": device.type,

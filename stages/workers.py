@@ -31,12 +31,15 @@ def run_worker_command(*command: str) -> None:
     having printed why, as the command does."""
     from stages.cli import main
 
+    forkserver.detach_worker()
     sys.argv = ["mnist-pipeline", *command]
     try:
         main(list(command), prog_name="mnist-pipeline")
     except SystemExit as done:
         if done.code not in (0, None):
             raise
+    except KeyboardInterrupt:  # outside click's own handling: a failure all the same, never exit 0
+        raise SystemExit(130) from None
 
 
 def gpu_request(config: Config) -> list[str]:

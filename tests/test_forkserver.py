@@ -4,7 +4,7 @@ command that will launch workers on this machine."""
 
 from __future__ import annotations
 
-import signal
+import os
 import subprocess
 import sys
 import time
@@ -82,14 +82,20 @@ def test_ddp_workers_are_forks_of_the_preloaded_server(tmp_path, mnist_dir):
         for pid in workers.values():
             assert "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
             assert Path(f"/proc/{pid}/cmdline").read_bytes() == Path(f"/proc/{server}/cmdline").read_bytes()
+            assert os.getsid(pid) == pid  # a session of its own, as torchrun's agent gives the workers it execs
+        # The launcher killed outright (the OOM killer): the server, then every worker, goes too.
+        launcher.kill()
+        launcher.communicate(timeout=60)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in [server, *workers.values()]):
+            time.sleep(0.5)
     finally:
-        launcher.send_signal(signal.SIGINT)  # Ctrl-C: the training ends its runs FAILED and stops
-        try:
-            launcher.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
+        if launcher.poll() is None:
             launcher.kill()
-            raise
-    assert not any(Path(f"/proc/{pid}").exists() for pid in workers.values()), "a worker outlived the launcher"
+            launcher.communicate()
+    left = [pid for pid in [server, *workers.values()] if Path(f"/proc/{pid}").exists()
+            and "zombie" not in Path(f"/proc/{pid}/status").read_text()]
+    assert not left, "outlived the launcher: " + ", ".join(str(pid) for pid in left)
 
 
 def parent_of(pid: int) -> int:
