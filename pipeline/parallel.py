@@ -373,8 +373,20 @@ def launch_workers(nproc: int, entrypoint: Callable[..., None], args: Sequence[s
         monitor_interval=0.2,
         start_method=forkserver.START_METHOD,
     )
+    # For a worker started as a function, the agent logs its failure with a traceback of its own
+    # bookkeeping (ProcessExitedException); the worker has said why already, and the error below
+    # names it: the line stays, the traceback goes.
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log.addFilter(_without_traceback)
     try:
         elastic_launch(config, entrypoint=entrypoint)(*args)
     except ChildFailedError as exc:
         failures = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(exc.failures.items()))
         raise PipelineError(f"ddp worker(s) failed: {failures}; see the worker's message above") from None
+    finally:
+        agent_log.removeFilter(_without_traceback)
+
+
+def _without_traceback(record: logging.LogRecord) -> bool:
+    record.exc_info = record.exc_text = None
+    return True

@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -24,6 +25,14 @@ def launch_workers(config: Config, command: list[str]) -> None:
     parallel.launch_workers(nproc, run_worker_command, command)
 
 
+# How long a failing worker stays before it exits. A fork leaves at once (os._exit), where a fresh
+# interpreter took about this long to shut down; torchrun's agent stops every other rank at the
+# first exit it sees and names only that one, so without it a peer's own message (rank 0's "the loss
+# is not finite at step 12", a rank's "connection closed by peer" after another was killed) would be
+# cut off before it is printed, and the rank named would be the quickest to fail, not the first.
+FAILURE_GRACE_S = 1.0
+
+
 def run_worker_command(*command: str) -> None:
     """A worker's life, in a fork of the fork server (pipeline.forkserver): `mnist-pipeline
     <command>`, as a fresh `python -m stages <command>` would run it under torchrun. It returns on
@@ -36,10 +45,16 @@ def run_worker_command(*command: str) -> None:
     try:
         main(list(command), prog_name="mnist-pipeline")
     except SystemExit as done:
-        if done.code not in (0, None):
-            raise
+        if done.code in (0, None):
+            return
+        time.sleep(FAILURE_GRACE_S)
+        raise
     except KeyboardInterrupt:  # outside click's own handling: a failure all the same, never exit 0
+        time.sleep(FAILURE_GRACE_S)
         raise SystemExit(130) from None
+    except BaseException:
+        time.sleep(FAILURE_GRACE_S)
+        raise
 
 
 def gpu_request(config: Config) -> list[str]:
