@@ -6,8 +6,8 @@ pipeline_overhead.py). In the stage's own process that import came before or bet
 work; in a helper started first thing (stages/cli.py), it runs on another core beside it. The stage
 then sends each call (`CALLS`, pipeline.tracking's own functions, run unchanged in the helper) as
 one JSON line and waits for its answer: an error comes back as the same one-line PipelineError the
-call would have raised in the stage. Should the helper be gone, the call runs in the stage itself:
-nothing is logged differently, only later.
+call would have raised in the stage. Should the helper be gone before it took a call, the call runs
+in the stage itself; gone during one, the stage fails: nothing is ever logged twice.
 
 Imports nothing heavy: the CLI starts the helper before it loads the stage's module.
 """
@@ -134,6 +134,8 @@ the call, then the call's answer."""
         if kwargs.get("datasets"):
             kwargs["datasets"] = (Path(kwargs["datasets"][0]), tuple(kwargs["datasets"][1]))
         try:
+            if request["call"] not in CALLS:  # only the calls this module exists for, never any attribute
+                raise ValueError(f"not a tracking helper call: {request['call']!r}")
             reply = {"result": getattr(tracking, request["call"])(**kwargs)}
         except PipelineError as exc:
             reply = {"error": str(exc)}
