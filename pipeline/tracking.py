@@ -55,6 +55,7 @@ DEFAULT_DB = "mlflow.db"
 DEFAULT_ARTIFACTS = "mlartifacts"
 PARENT_TAG = "mlflow.parentRunId"
 HEALTH_TIMEOUT_S = 5
+SQLITE_BUSY_S = 30  # how long a SQLite store may be busy with another process before it is an error
 OUTBOX_DIR = "tracking-outbox"  # in the mode's output folder: what a rank could not send yet
 FAILED_DRAIN_S = 10  # after a failure, how long ending the runs may wait on the server
 
@@ -223,14 +224,29 @@ def check_store(uri: str) -> None:
         return  # another store MLflow knows (a database URL): MLflow itself reports its errors
     if not path.parent.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise PipelineError(f"tracking store {uri}: cannot write {path}; fix its permissions or MLFLOW_TRACKING_URI")
-    # WAL lets one writer and many readers work at once: without it, ranks that log at the same
-    # moment get "database is locked". The mode is stored in the file, so setting it once is enough.
     try:
-        with closing(sqlite3.connect(path, timeout=30)) as db:
-            db.execute("PRAGMA journal_mode=WAL")
+        _use_wal(path)
     except sqlite3.Error as exc:
         raise PipelineError(f"tracking store {uri}: {path} is not a usable SQLite database ({exc}); move it away "
                             "to start a new store, or point MLFLOW_TRACKING_URI at another one") from None
+
+
+def _use_wal(path: Path, patience_s: float = SQLITE_BUSY_S) -> None:
+    """WAL lets one writer and many readers work at once: without it, ranks that log at the same
+    moment get "database is locked". The mode is stored in the file, so setting it once is enough.
+    Switching needs the file to itself, and SQLite answers "locked" at once, without waiting out
+    its busy timeout, while another process writes (an `mlflow ui` making a new store's tables
+    when the training starts): so the switch is retried for a while before it is an error."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            with closing(sqlite3.connect(path, timeout=patience_s)) as db:
+                db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def preflight(config: TrackingConfig) -> str | None:

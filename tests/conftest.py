@@ -225,3 +225,26 @@ def ddp_worker_pids(launcher: int) -> dict[int, int]:
             if (log := re.search(r"/logs/rank-(\d+)\.log$", target)):
                 found[int(log[1])] = pid
     return found
+
+
+def first_epoch_run(project: Path, mode: str, proc: subprocess.Popen, timeout: float = 180):
+    """The parent run of `proc`'s training of `mode` once it has logged its first epoch; None if
+    `proc` ends or `timeout` passes first. The store is opened only once models/<mode>/mlflow_run.json
+    exists, which the training writes when its runs exist: a client opening a new SQLite store makes
+    its schema, and two processes making one at once break it (MLflow does not lock), as a user's
+    `mlflow ui` started on a fresh store at the same moment would."""
+    import json
+    import time
+
+    from mlflow import MlflowClient
+
+    ids_file, client = project / "models" / mode / "mlflow_run.json", None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if ids_file.is_file():
+            client = client or MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+            parent = client.get_run(json.loads(ids_file.read_text())["parent"])
+            if "val_loss" in parent.data.metrics:
+                return parent
+        time.sleep(0.5)
+    return None

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import ROOT, SMALL, make_project, project_env, subprocess_env
+from tests.conftest import ROOT, SMALL, first_epoch_run, make_project, project_env, subprocess_env
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None,
@@ -30,20 +30,6 @@ def forked_child(pid: int, timeout: float = 10) -> int:
     raise AssertionError(f"unshare ({pid}) forked nothing in {timeout} s")
 
 
-def wait_for_first_epoch(client: MlflowClient, mode: str, proc, timeout: float = 300):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            experiments = [e.experiment_id for e in client.search_experiments()]
-            found = client.search_runs(experiments, f"attributes.run_name = '{mode}'") if experiments else []
-        except Exception:  # the store may not exist yet, or be migrating its schema
-            found = []
-        if found and "val_loss" in found[0].data.metrics:
-            return found[0]
-        time.sleep(0.5)
-    return None
-
-
 def test_sigterm_to_the_containers_pid_1_ends_every_run_failed(tmp_path, mnist_dir):
     params = {**SMALL, "train": {**SMALL["train"], "modes": ["ddp"], "epochs": 500}}
     project = make_project(tmp_path / "proj", params)
@@ -53,8 +39,7 @@ def test_sigterm_to_the_containers_pid_1_ends_every_run_failed(tmp_path, mnist_d
                             cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pid_1 = forked_child(proc.pid)  # what the container's runtime signals on `docker stop`
     try:
-        client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-        parent = wait_for_first_epoch(client, "ddp", proc)
+        parent = first_epoch_run(project, "ddp", proc, timeout=300)
         assert parent is not None, "training never finished an epoch"
         assert Path(f"/proc/{pid_1}/comm").read_text().strip() == "dumb-init"
         os.kill(pid_1, signal.SIGTERM)
@@ -67,6 +52,7 @@ def test_sigterm_to_the_containers_pid_1_ends_every_run_failed(tmp_path, mnist_d
             os.kill(pid_1, signal.SIGKILL)  # the namespace's init: everything in it goes with it
             proc.communicate(timeout=30)
     assert proc.returncode != 0
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     runs = client.search_runs([parent.info.experiment_id], "attributes.run_name LIKE 'ddp%'")
     statuses = {r.info.run_name: r.info.status for r in runs}
     assert set(statuses) == {"ddp", "ddp/rank-0", "ddp/rank-1"}

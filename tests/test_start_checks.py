@@ -13,6 +13,7 @@ import shutil
 import signal
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -242,6 +243,30 @@ def test_a_deleted_experiment_is_found_before_the_disk_changes(project, tmp_path
     result = train_cli(project, "single", check=False, MLFLOW_TRACKING_URI=store)
     assert_refused_and_untouched(project, "single", before, result, "'mnist-data-parallel' is deleted",
                                  "mlflow experiments restore")
+
+
+def test_a_store_another_process_is_writing_delays_the_start_not_fails_it(tmp_path):
+    """SQLite answers "database is locked" at once, without its busy timeout, when a connection
+    switches to WAL while another process writes (an `mlflow ui` making a fresh store's tables)."""
+    from pipeline.tracking import check_store
+
+    store = tmp_path / "mlflow.db"
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sqlite3, sys, time\n"
+        f"db = sqlite3.connect({str(store)!r}, isolation_level=None)\n"
+        "db.execute('BEGIN IMMEDIATE'); db.execute('CREATE TABLE being_made (x)')\n"
+        "print('writing', flush=True); time.sleep(2); db.execute('COMMIT')\n")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "writing\n"
+        started = time.monotonic()
+        check_store(f"sqlite:///{store}")
+        waited = time.monotonic() - started
+    finally:
+        writer.kill()
+        writer.wait()
+    assert waited > 0.5  # it did meet the lock, and waited it out
+    assert sqlite3.connect(store).execute("PRAGMA journal_mode").fetchone() == ("wal",)
 
 
 @pytest.mark.parametrize("damage", ["store", "stats"])

@@ -3,7 +3,6 @@
 import json
 import signal
 import subprocess
-import time
 
 import mlflow
 import pytest
@@ -13,7 +12,7 @@ from mlflow import MlflowClient
 
 from pipeline.model import build_model
 from pipeline.tracking import load_model
-from tests.conftest import SMALL, free_port, make_project, project_env, run, subprocess_env
+from tests.conftest import SMALL, first_epoch_run, free_port, make_project, project_env, run, subprocess_env
 
 PARENT_METRICS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
 CHILD_METRICS = ("loss", "samples_per_s", "data_time_s", "forward_time_s", "backward_time_s", "optimizer_time_s",
@@ -129,25 +128,12 @@ def test_killed_training_ends_failed(tmp_path, mnist_dir, mode):
     proc = subprocess.Popen(["mnist-pipeline", "train", "--mode", mode], cwd=project, text=True,
                             env=subprocess_env(**project_env(project)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    deadline = time.monotonic() + 120
-    parent = None
-    while time.monotonic() < deadline:  # until the parent run has its first epoch
-        if (project / "mlflow.db").is_file():
-            try:
-                experiments = [e.experiment_id for e in client.search_experiments()]
-                found = client.search_runs(experiments, f"attributes.run_name = '{mode}'") if experiments else []
-            except Exception:  # the store may still be migrating its schema
-                found = []
-            if found and "val_loss" in found[0].data.metrics:
-                parent = found[0]
-                break
-        time.sleep(0.5)
+    parent = first_epoch_run(project, mode, proc, timeout=120)
     assert parent is not None, proc.communicate(timeout=10)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode != 0
-    runs = client.search_runs([parent.info.experiment_id])
+    runs = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").search_runs([parent.info.experiment_id])
     assert len(runs) == 1 + (2 if mode == "ddp" else 1)
     statuses = {r.info.run_name: r.info.status for r in runs}
     assert set(statuses.values()) == {"FAILED"}, (statuses, stderr[-3000:])
