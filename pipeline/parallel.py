@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import re
+import signal
 import uuid
 import warnings
 from contextlib import contextmanager
@@ -356,6 +357,7 @@ def launch_workers(nproc: int, entrypoint: Callable[..., None], args: Sequence[s
     of the preloaded fork server (pipeline.forkserver), not a fresh interpreter: it starts with its
     imports done.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -383,6 +385,11 @@ def launch_workers(nproc: int, entrypoint: Callable[..., None], args: Sequence[s
     except ChildFailedError as exc:
         failures = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(exc.failures.items()))
         raise PipelineError(f"ddp worker(s) failed: {failures}; see the worker's message above") from None
+    except SignalException as exc:
+        # This launcher was signalled (Ctrl-C, a container stopped, a scheduler's pre-emption), and
+        # the agent has stopped every worker with the same signal: it exits as a signalled process.
+        log.error("stopped by %s; every worker was stopped with it", signal.Signals(exc.sigval).name)
+        raise SystemExit(128 + exc.sigval) from None
     finally:
         agent_log.removeFilter(_without_traceback)
 

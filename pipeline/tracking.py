@@ -956,8 +956,8 @@ def log_to_mode_run(config: TrackingConfig, ids: dict, metrics: dict[str, float]
     from mlflow import MlflowClient
 
     uri = tracking_uri()
-    client = MlflowClient(uri)
     with store_errors(uri, f"logging to run {ids['parent']}"):
+        client = MlflowClient(uri)  # in here: it opens the store (a SQL store checks its schema)
         client.log_batch(ids["parent"], metrics=_metric_batch(_numeric(metrics, step=0)))
         if datasets is not None:
             client.log_inputs(ids["parent"], datasets=_dataset_inputs(*datasets))
@@ -977,13 +977,13 @@ def log_compare_run(config: TrackingConfig, mode_ids: dict[str, dict], artifacts
     from mlflow import MlflowClient
 
     uri = tracking_uri()
-    client = MlflowClient(uri)
     experiment_id = next(iter(ids.values()))["experiment_id"]
     # The description (mlflow.note.content) is Markdown in the UI: one link per mode run.
     links = " | ".join(f"[{mode}](#/experiments/{v['experiment_id']}/runs/{v['parent']})" for mode, v in ids.items())
     tags = {f"run_id.{mode}": value["parent"] for mode, value in ids.items()}
     tags.update({"mlflow.note.content": f"Compares the mode runs: {links}", **git_facts(), **dvc_experiment_facts()})
     with store_errors(uri, "logging the compare run"):
+        client = MlflowClient(uri)  # in here: it opens the store (a SQL store checks its schema)
         run_id = client.create_run(experiment_id, run_name="compare", tags=tags).info.run_id
         try:
             for path in artifacts:

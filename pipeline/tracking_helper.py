@@ -33,10 +33,17 @@ CALLS = ("log_to_mode_run", "log_compare_run")
 _running: Helper | None = None
 
 
+# How long a stage that ends (Ctrl-C, an error) waits for the helper to finish a call it took: a
+# compare run it is making must still end FINISHED or FAILED, not be cut off RUNNING. MLflow's own
+# retries are kept short (pipeline.tracking), so a call does not take longer.
+IN_FLIGHT_S = 60
+
+
 class Helper:
     def __init__(self) -> None:
         self._proc = subprocess.Popen([sys.executable, "-m", "pipeline.tracking_helper"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True)
+        self._in_flight = False  # a call taken, its answer not read yet
 
     def call(self, name: str, **kwargs: Any) -> Any:
         """`pipeline.tracking.<name>(**kwargs)`, run in the helper; NOT_SENT if the helper is gone
@@ -51,7 +58,9 @@ class Helper:
             log.warning("the tracking helper process ended (exit code %s); logging from this process",
                         self._proc.poll())
             return NOT_SENT
+        self._in_flight = True
         answer = self._proc.stdout.readline()
+        self._in_flight = False
         if not answer:  # it died during the call: part of it may be in the store already
             raise PipelineError(f"tracking: the helper process logging {name} ended (exit code {self._proc.wait()}) "
                                 "before it finished; run this stage again")
@@ -63,14 +72,14 @@ class Helper:
         return reply["result"]
 
     def close(self) -> None:
-        """Every call has been answered: the helper has nothing left to do."""
+        """The helper has nothing left to do once the call it may be making ends."""
         try:
             self._proc.stdin.close()
         except OSError:  # gone already
             pass
         try:
-            self._proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:  # still warming up (a slow store): nothing of ours in flight
+            self._proc.wait(timeout=IN_FLIGHT_S if self._in_flight else 2)
+        except subprocess.TimeoutExpired:  # still warming up (a slow store), or a call hung
             self._proc.kill()
             self._proc.wait()
 

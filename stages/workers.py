@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import click
@@ -52,7 +53,8 @@ def run_worker_command(*command: str) -> None:
     except KeyboardInterrupt:  # outside click's own handling: a failure all the same, never exit 0
         time.sleep(FAILURE_GRACE_S)
         raise SystemExit(130) from None
-    except BaseException:
+    except BaseException:  # a bug (no PipelineError): its traceback is the report, as a fresh interpreter's
+        traceback.print_exc()
         time.sleep(FAILURE_GRACE_S)
         raise
 

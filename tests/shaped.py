@@ -116,8 +116,15 @@ def measure(hosts: list[Host], dirs: list[Path], mbit: int | None, logs: Path) -
     ready, intervals = scaling.synchronous_steps(breakdown)
     step = statistics.median(intervals)
     exposed = step - statistics.median(ready)
-    return {"link": label(mbit), "mbit": mbit, "breakdown": breakdown,
+    # How far this machine's noise moves that share: the standard errors of the two medians.
+    noise = (median_error(intervals) + median_error(ready)) / step
+    return {"link": label(mbit), "mbit": mbit, "breakdown": breakdown, "share_noise": noise,
             # None with no link, or one whose sweep showed latency alone (no slope: no bandwidth seen).
             "link_busbw_gbps": 2 / link.per_byte_s / 1e9 if link and link.per_byte_s else None,
             "measured_step_s": step, "comm_exposed_s": exposed, "exposed_share": exposed / step,
             "prediction": prediction}
+
+
+def median_error(values: list[float]) -> float:
+    """The standard error of a sample's median, 1.2533 σ / √n (for a normal sample)."""
+    return 1.2533 * statistics.stdev(values) / len(values) ** 0.5

@@ -78,6 +78,9 @@ def test_ddp_workers_are_forks_of_the_preloaded_server(tmp_path, mnist_dir):
         assert parent_of(server) == launcher.pid  # ...which the command started
         command = Path(f"/proc/{server}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         assert "multiprocessing.forkserver" in command and "'pipeline.preloaded'" in command, command
+        # A session of its own too: a signal to the launcher's process group (a closed terminal,
+        # `timeout`) leaves it alive, and through it the agent still sees and stops the workers.
+        assert os.getsid(server) == server
         # The workers run what the server imported: torch is mapped, not loaded anew, in each.
         for pid in workers.values():
             assert "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
@@ -136,3 +139,20 @@ def test_what_the_fork_server_imports_never_touches_cuda():
                           env=subprocess_env())
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("calls: []"), done.stdout
+
+
+def test_a_bug_in_a_worker_shows_its_traceback():
+    """A worker's uncaught exception (a bug, CUDA running out of memory) is reported as a fresh
+    interpreter would report it: torch's worker wrapper only files it for the agent, and the
+    agent's own traceback of it is dropped (pipeline.parallel.launch_workers)."""
+    code = ("import multiprocessing\n"
+            "from pipeline import parallel\n"
+            "from stages import workers\n"
+            "multiprocessing.set_forkserver_preload(['tests.boom_stage'])\n"
+            "parallel.launch_workers(1, workers.run_worker_command, ['boom'])\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env=subprocess_env(), timeout=300)
+    assert done.returncode != 0
+    assert "ddp worker(s) failed: rank 0 (exit code 1)" in done.stderr, done.stderr[-3000:]
+    assert "in boom\n    print(1 / 0)" in done.stderr and "ZeroDivisionError: division by zero" in done.stderr, \
+        done.stderr[-3000:]

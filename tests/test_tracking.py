@@ -132,7 +132,7 @@ def test_killed_training_ends_failed(tmp_path, mnist_dir, mode):
     assert parent is not None, proc.communicate(timeout=10)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode != 0
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]  # a signalled process's exit, in either mode
     runs = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").search_runs([parent.info.experiment_id])
     assert len(runs) == 1 + (2 if mode == "ddp" else 1)
     statuses = {r.info.run_name: r.info.status for r in runs}

@@ -4,6 +4,9 @@ call made in the stage itself when the helper is gone."""
 
 from __future__ import annotations
 
+import sqlite3
+from contextlib import closing
+
 import pytest
 from mlflow import MlflowClient
 
@@ -62,3 +65,24 @@ def test_with_the_helper_gone_the_stage_logs_itself(store, caplog):
     assert "tracking helper process ended" in caplog.text
     assert tracking_helper._running is None
     assert client.get_run(ids["parent"]).data.metrics == {"test_loss": 0.1}
+
+
+def test_a_store_the_helper_cannot_open_is_the_stages_one_line_error(tmp_path, monkeypatch):
+    """Opening the store is part of the call: a schema older than this MLflow's is the advice to
+    upgrade it, as in the stage's own process, never the helper's traceback."""
+    store = tmp_path / "mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{store}")
+    monkeypatch.chdir(tmp_path)
+    client = MlflowClient(f"sqlite:///{store}")
+    experiment = client.create_experiment("helper")
+    ids = {"experiment_id": experiment, "parent": client.create_run(experiment).info.run_id, "children": {}}
+    with closing(sqlite3.connect(store)) as db, db:
+        db.execute("UPDATE alembic_version SET version_num = '451aebb31d03'")  # MLflow 1.x's schema
+    tracking_helper.start()
+    try:
+        with pytest.raises(PipelineError) as error:
+            tracking.log_to_mode_run(TrackingConfig(), ids, {"test_accuracy": 0.5}, [])
+        assert tracking_helper._running is not None  # the helper's answer, not the stage's own call
+    finally:
+        tracking_helper._stop()
+    assert "its schema is older than this MLflow's" in str(error.value) and "mlflow db upgrade" in str(error.value)

@@ -1,0 +1,13 @@
+"""A stage with a bug in it, for tests/test_forkserver.py: the fork server imports this module
+first (its preload), and importing it makes `mnist-pipeline boom` a command of the server's CLI."""
+
+import click
+
+from stages import cli
+
+cli.COMMANDS["boom"] = __name__
+
+
+@click.command()
+def boom() -> None:
+    print(1 / 0)
