@@ -22,6 +22,8 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import socket
+from multiprocessing import connection, resource_tracker, util
 
 # What the server imports for each command's workers, once (pipeline/preloaded.py says why).
 PRELOAD = {"commcheck": ["pipeline.preloaded", "stages.commcheck"],
@@ -37,6 +39,34 @@ def start(command: str) -> None:
     this process."""
     multiprocessing.set_forkserver_preload(PRELOAD[command])
     multiprocessing.forkserver.ensure_running()
+
+
+def fork_here() -> None:
+    """Start the fork server as a fork of this process, which must have imported what the workers
+    need and run nothing yet: a fork of the warm server (stages/warm_server.py), before its
+    command starts. It is then what `start` would have started, without importing anything anew.
+    multiprocessing's own server code runs in it, set up as `ensure_running` sets it up."""
+    server = multiprocessing.forkserver._forkserver
+    resource_tracker.ensure_running()
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(alive_w)
+                os.setsid()  # as pipeline.preloaded does in a server started anew
+                multiprocessing.forkserver.main(listener.fileno(), alive_r, [])
+            finally:
+                os._exit(0)
+        os.close(alive_r)
+    server._forkserver_address = address
+    server._forkserver_alive_fd = alive_w
+    server._forkserver_pid = pid
 
 
 def detach_worker() -> None:

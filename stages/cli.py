@@ -10,6 +10,7 @@ import click
 
 from pipeline import __version__, forkserver, malloc, tracking_helper
 from pipeline.errors import PipelineError
+from stages import warm
 
 DEBUG_ENV = "MNIST_PIPELINE_DEBUG"  # =1: every error also shows its traceback
 
@@ -42,6 +43,8 @@ class PipelineGroup(click.Group):
         try:
             if ctx.resilient_parsing or not args or "--help" in args or "-h" in args:
                 pass  # shell completion, or help: nothing will run
+            elif warm.forked:
+                pass  # a fork of the warm server: everything is imported, the DDP fork server forked
             elif launches_local_workers(args[0], args[1:]):
                 forkserver.start(args[0])
             elif logs_after_training(args[0], args[1:]):

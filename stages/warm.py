@@ -1,0 +1,377 @@
+"""`mnist-pipeline`'s entry point: under DVC, each stage runs as a fork of one warm server that
+imported torch, MLflow and every stage's code once for the whole `dvc repro`.
+
+Each stage is a process of its own, and each used to import the same heavy libraries before any
+work: torch, MLflow with its SQL store, torch._dynamo, matplotlib (benchmarks/pipeline_overhead.py
+times each). Now the first stage that needs them starts the server (stages/warm_server.py), and
+every later `mnist-pipeline` command is a small client: it sends the server its arguments, its
+environment, its working directory and its standard input, output and error, the server forks, and
+the fork runs the command exactly as `mnist-pipeline` would have in a fresh process. The client
+stays in the foreground the whole time: it passes on every signal it gets (Ctrl-C, `docker stop`,
+`timeout`) to the fork's process group, and exits as the fork did, with its exit code or by its
+signal. A client killed outright takes the fork with it.
+
+A fork is only as good as a fresh process if nothing that a fresh process would read at start-up
+differs. The server is therefore keyed by everything such a process reads (`server_key`): the
+Python, its flags and path, the project's code, the installed packages, the environment but for
+the variables that name the DVC stage, the user, the namespaces (a container, an emulated host),
+the cgroup, the CPUs, the limits. Anything else starts a server of its own; an old one exits when
+idle (`IDLE_ENV`, 30 s). Only the user who started a server can reach it.
+
+On by default under DVC (DVC_STAGE set), and never for a worker of an outer launcher (torchrun,
+Slurm, Kubeflow: RANK set): `MNIST_PIPELINE_WARM=0` turns it off, `=1` on for commands by hand too.
+Where the server cannot be had, the command runs in this process, as before.
+
+Imports only the standard library: this is what every stage's client pays.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import importlib.util
+import json
+import os
+import resource
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, NoReturn
+
+WARM_ENV = "MNIST_PIPELINE_WARM"  # 0: never; 1: for every command; unset: under DVC only
+IDLE_ENV = "MNIST_PIPELINE_WARM_IDLE_S"  # how long a server with nothing to run stays (default 30)
+PROTOCOL = 1
+# What a command's client does without a running server: "start" one and wait for it; run "here"
+# and start one beside it for the stages that follow (prepare: only torch to import, while the
+# server imports everything on the other core); or just run "here" (nothing follows compare).
+WITHOUT_SERVER = {"prepare": "beside", "commcheck": "start", "train": "start", "evaluate": "start"}
+# Named by the stage, not by what a fresh process reads: no part of the server's key.
+PER_COMMAND_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
+PER_COMMAND_PREFIX = "DVC_"
+LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGCONT, signal.SIGWINCH)
+START_TIMEOUT_S = 600  # the server's imports, on a machine busy with something else
+forked = False  # True in a fork of the server (set there): the command's process is warm already
+
+
+class Unavailable(Exception):
+    """No server to be had; the command runs in this process."""
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if not wanted(args):
+        return cold()
+    try:
+        code = connect(args[0]).run(sys.argv)
+    except Unavailable as why:  # nothing ran: the command runs here
+        if os.environ.get("MNIST_PIPELINE_DEBUG", "") not in ("", "0"):
+            print(f"mnist-pipeline: running in this process: {why}", file=sys.stderr)
+        return cold()
+    exit_like(code)
+
+
+def cold() -> None:
+    from stages.cli import main as cli
+
+    run_and_exit(cli)
+
+
+def run_and_exit(command: Callable[[], object]) -> NoReturn:
+    """Run `command`, then end this process as the interpreter would, but without tearing it down:
+    with torch, MLflow and matplotlib loaded, freeing every module's objects one by one took 2 to
+    4 s after the last output, on every stage. What an ending must do is done: other threads are
+    joined, the exit handlers run (MLflow ends its runs, logging flushes and closes its files),
+    the standard streams are flushed, and an uncaught exception is shown as Python shows it. Every
+    file the pipeline writes is closed by then (pipeline.atomic)."""
+    try:
+        command()
+        code = 0
+    except SystemExit as done:
+        code = exit_code(done.code)
+    except KeyboardInterrupt:  # Python shows it, and ends by the signal
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # what the interpreter's own ending does first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        code = 128 - code
+    os._exit(code & 0xFF)
+
+
+def exit_code(code: object) -> int:
+    """The exit status SystemExit(code) gives, as the interpreter reads it."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def wanted(args: list[str]) -> bool:
+    """Whether this command goes to a warm server: a stage's command, under DVC (or asked for),
+    on Linux (abstract sockets), never as a worker an outer launcher started."""
+    setting = os.environ.get(WARM_ENV, "")
+    if setting == "0" or sys.platform != "linux" or any(key in os.environ for key in LAUNCHER_ENV):
+        return False
+    if not args or args[0].startswith("-") or {"-h", "--help"} & set(args) or "_MNIST_PIPELINE_COMPLETE" in os.environ:
+        return False  # help, the version, shell completion: nothing to import
+    return setting == "1" or "DVC_STAGE" in os.environ
+
+
+def connect(command: str) -> Client:
+    address = server_address()
+    try:
+        return Client(address)
+    except Unavailable:
+        plan = WITHOUT_SERVER.get(command)
+        if plan is None:
+            raise
+    start_server(address)
+    if plan == "beside":
+        raise Unavailable("the server starts beside this command, for the stages after it")
+    return Client(address)
+
+
+def server_address() -> str:
+    # Abstract (no file): it belongs to this network namespace, as an emulated host's own
+    # processes do, and nothing is left on disk when the server ends.
+    return f"\0mnist-pipeline-warm/{os.getuid()}/{server_key()}"
+
+
+def per_command(name: str) -> bool:
+    return name in PER_COMMAND_ENV or name.startswith(PER_COMMAND_PREFIX)
+
+
+def server_key() -> str:
+    """A digest of everything a fresh `mnist-pipeline` process would read before its command
+    starts, and so everything a fork of the server must share with this process."""
+    facts = {
+        "protocol": PROTOCOL,
+        "python": [sys.executable, sys.version, repr(sys.flags), [os.path.abspath(p) for p in sys.path]],
+        "code": code_digest(),
+        "packages": installed(),
+        "env": sorted((k, v) for k, v in os.environ.items() if not per_command(k)),
+        "user": [os.getuid(), os.geteuid(), os.getgid(), os.getegid(), sorted(os.getgroups())],
+        "host": [os.uname().nodename, namespaces(), read("/proc/self/cgroup")],
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "priority": os.getpriority(os.PRIO_PROCESS, 0),
+        "limits": [resource.getrlimit(getattr(resource, name)) for name in dir(resource) if name.startswith("RLIMIT_")],
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:40]
+
+
+def code_digest() -> str:
+    """The project's own code as it is on disk: an edit starts a new server."""
+    digest = hashlib.sha256()
+    for package in ("pipeline", "stages"):
+        spec = importlib.util.find_spec(package)
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            for path in sorted(Path(folder).rglob("*.py")):
+                digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def installed() -> list[str]:
+    """The installed distributions, with their versions (pip install, uninstall, an editable install)."""
+    found = []
+    for folder in sys.path:
+        if folder.endswith(("site-packages", "dist-packages")) and os.path.isdir(folder):
+            found += sorted(name for name in os.listdir(folder) if name.endswith((".dist-info", ".egg-info", ".pth")))
+    return found
+
+
+def namespaces() -> list[str]:
+    found = []
+    for kind in ("mnt", "net", "uts", "ipc", "pid", "user", "cgroup"):
+        try:
+            found.append(os.readlink(f"/proc/self/ns/{kind}"))
+        except OSError:
+            found.append(kind)
+    return found
+
+
+def read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def start_server(address: str) -> None:
+    """Bind the server's socket here (so a client can connect at once and wait while it imports),
+    and start the server on it, in a session of its own, holding none of this process's files: a
+    test or a CI step that reads this command's output to its end does not wait for the server."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(address)
+    except OSError:  # another command started one a moment ago
+        listener.close()
+        return
+    listener.listen(16)
+    path = [os.path.abspath(p) for p in sys.path]
+    code = f"import sys; sys.path[:] = {path!r}; from stages.warm_server import serve; serve({listener.fileno()})()"
+    with listener:
+        subprocess.Popen([sys.executable, "-c", code], pass_fds=[listener.fileno()], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
+
+
+class Client:
+    """One command run by the server: what this process sends it, and how it stands in for the
+    fork it runs the command in."""
+
+    def __init__(self, address: str) -> None:
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.connect(address)
+        except OSError as exc:
+            self._sock.close()
+            raise Unavailable(f"no warm server ({exc.strerror})") from None
+        uid = peer_uid(self._sock)
+        if uid != os.getuid():  # someone else's process holds the name: send it nothing
+            self._sock.close()
+            raise Unavailable(f"the warm server's socket belongs to uid {uid}, not this user")
+        self._pid: int | None = None
+        self._pending: list[int] = []
+        self._buffer = b""
+
+    def run(self, argv: list[str]) -> int:
+        """Run `argv` in a fork of the server; its exit code (negative: the signal that ended it).
+        Unavailable: nothing ran."""
+        # The server says it is ready once it has imported, and only then gets the command: a
+        # client that gave up waiting has sent nothing, so nothing runs twice.
+        ready = self._answer(START_TIMEOUT_S)
+        if not ready.get("ready"):
+            raise Unavailable(ready.get("error", "the warm server is not ready"))
+        request = {"argv": argv, "prog": program_name(), "cwd": os.getcwd(), "umask": current_umask(), "path": sys.path,
+                   "env": {k: v for k, v in os.environ.items() if per_command(k)}}
+        with stdio_fds() as fds:
+            socket.send_fds(self._sock, [json.dumps(request).encode() + b"\n"], fds)
+        previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
+        previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self._stop)
+        try:
+            started = self._answer(None)
+            if "pid" not in started:
+                raise Unavailable(started.get("error", "the warm server refused the command"))
+            self._pid = started["pid"]
+            for sig in self._pending:
+                self._forward(sig, None)
+            try:
+                done = self._answer(None)
+            except Unavailable:  # the server is gone; so must its fork be, or it runs unseen
+                self._kill()
+                print(f"mnist-pipeline: the warm server ended while `{' '.join(argv[1:])}` ran in its process "
+                      f"{self._pid}, which was stopped; run the command again (or set {WARM_ENV}=0)",
+                      file=sys.stderr)
+                return 1
+            return done["exit"]
+        except BaseException:
+            self._kill()
+            raise
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _answer(self, timeout: float | None) -> dict:
+        self._sock.settimeout(timeout)
+        while b"\n" not in self._buffer:
+            try:
+                chunk = self._sock.recv(4096)
+            except (OSError, TimeoutError) as exc:
+                raise Unavailable(f"no answer from the warm server ({exc})") from None
+            if not chunk:
+                raise Unavailable("the warm server closed the connection")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _forward(self, sig: int, frame) -> None:
+        """As the terminal's signal would have reached the command in a process of its group."""
+        if self._pid is None:
+            self._pending.append(sig)
+            return
+        try:
+            os.killpg(self._pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _stop(self, sig: int, frame) -> None:
+        """Ctrl-Z: the command stops, and so does this process, until SIGCONT (passed on too)."""
+        self._forward(signal.SIGTSTP, frame)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    def _kill(self) -> None:
+        if self._pid is not None:
+            try:
+                os.killpg(self._pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def program_name() -> str:
+    """What click calls the program in its messages, as it would in this process."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is not None and spec.name.endswith(".__main__"):  # python -m pipeline
+        return f"python -m {spec.name.removesuffix('.__main__')}"
+    return os.path.basename(sys.argv[0])
+
+
+def peer_uid(sock: socket.socket) -> int:
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+class stdio_fds:
+    """This process's standard input, output and error for the fork (/dev/null for one that is closed)."""
+
+    def __enter__(self) -> list[int]:
+        self._opened = []
+        fds = []
+        for fd in (0, 1, 2):
+            try:
+                os.fstat(fd)
+                fds.append(fd)
+            except OSError:
+                self._opened.append(os.open(os.devnull, os.O_RDWR))
+                fds.append(self._opened[-1])
+        return fds
+
+    def __exit__(self, *exc) -> None:
+        for fd in self._opened:
+            os.close(fd)
+
+
+def exit_like(code: int) -> None:
+    """Exit as the fork did: its code, or killed by its signal (what a shell and DVC report)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        time.sleep(1)
+        code = 128 - code
+    sys.exit(code)

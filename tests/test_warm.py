@@ -1,0 +1,303 @@
+"""Under DVC, every stage runs as a fork of one warm server (stages/warm.py, stages/warm_server.py)
+and must be the command a fresh process would have run: the same outputs, messages, exit codes
+and signals, DDP workers forked without importing anything anew, nothing on CUDA before a fork,
+and a new server wherever a fresh process would read something else."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+from stages import warm
+from tests.conftest import (ROOT, SMALL, ddp_worker_pids, first_epoch_run, make_project, project_env, run,
+                            subprocess_env)
+
+SERVER_CODE = "from stages.warm_server import serve"
+
+
+def servers_for(project: Path) -> list[int]:
+    """The warm servers running this project's code (their sys.path names the copy): not their
+    forks, which show the same command line."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes().decode() if proc.name.isdigit() else ""
+        except OSError:
+            continue
+        if SERVER_CODE in command and f"'{project}'" in command:
+            found.append(int(proc.name))
+    return [pid for pid in found if parent_of(pid) not in found]
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+
+
+def children_of(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def listening_address(pid: int) -> str:
+    """The abstract address of the socket the server listens on (its fd 3, as the client passed it)."""
+    inode = os.readlink(f"/proc/{pid}/fd/3").removeprefix("socket:[").removesuffix("]")
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[6] == inode:
+            return "\0" + fields[7][1:]  # shown with @ for the leading NUL
+    raise AssertionError(f"no socket {inode} in /proc/net/unix")
+
+
+def stop_servers(project: Path) -> None:
+    for pid in servers_for(project):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, mnist_dir):
+    project = make_project(tmp_path_factory.mktemp("warm") / "proj", SMALL)
+    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    yield project
+    stop_servers(project)
+
+
+@pytest.fixture
+def served(project):
+    """The module's project, with no warm server of its own left over from another test."""
+    stop_servers(project)
+    yield project
+    stop_servers(project)
+
+
+def warm_env(project: Path, **extra: str) -> dict[str, str]:
+    return subprocess_env(**project_env(project, MNIST_PIPELINE_WARM="1", MNIST_PIPELINE_DEBUG="1", **extra))
+
+
+def test_a_dvc_repro_runs_every_stage_but_the_first_in_one_server(tmp_path, mnist_dir):
+    project = make_project(tmp_path / "proj", SMALL)
+    try:
+        done = run(["dvc", "repro"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir),
+                                                            MNIST_PIPELINE_DEBUG="1"))
+        # prepare runs in its own process while the server imports beside it; every later stage,
+        # whatever DVC wrote in between, finds that same server (one key for the whole run).
+        fallbacks = [line for line in done.stdout.splitlines() + done.stderr.splitlines()
+                     if "running in this process" in line]
+        assert fallbacks == ["mnist-pipeline: running in this process: the server starts beside this command, "
+                             "for the stages after it"], done.stdout[-3000:]
+        assert len(servers_for(project)) == 1
+        for mode in ("single", "dp", "ddp"):
+            assert (project / "models" / mode / "model.pt").is_file()
+        assert (project / "reports" / "comparison.md").is_file()
+        # The same run again, from the warm server: nothing to do, nothing run.
+        again = run(["dvc", "repro"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+        assert "Data and pipelines are up to date." in again.stdout or "didn't change" in again.stdout, again.stdout
+    finally:
+        stop_servers(project)
+
+
+def test_a_fork_is_the_command_a_fresh_process_would_run(served):
+    """Its own working directory, stage variables, output and exit code; the server holds none
+    of the client's files (a caller reading the output to its end is not kept waiting)."""
+    project = served
+    env = warm_env(project, MNIST_PIPELINE_WARM_IDLE_S="600")
+    for stage in ("train@bogus", "train@nothing"):
+        done = subprocess.run(["mnist-pipeline", "train", "--mode-of-dvc-stage"], cwd=project / "data",
+                              env={**env, "DVC_STAGE": stage}, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 1
+        assert f"DVC_STAGE={stage!r}: --mode-of-dvc-stage needs a stage train@<mode>" in done.stderr, done.stderr
+        assert "running in this process" not in done.stderr  # the server ran it
+    servers = servers_for(project)
+    assert len(servers) == 1 and alive(servers[0])  # ...and is still there: the output closed without it
+    # A relative --params is read from the client's directory, not the server's (/).
+    (project / "data" / "here.yaml").write_text("train: {epochs: 0}\n")
+    done = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", "here.yaml"],
+                          cwd=project / "data", env={**env, "MNIST_PIPELINE_DEBUG": "0"}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 1 and "here.yaml: train.epochs" in done.stderr, done.stderr
+    # Exit codes and messages as the same command run in a process of its own.
+    cold = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", "here.yaml"],
+                          cwd=project / "data", env={**env, "MNIST_PIPELINE_DEBUG": "0", "MNIST_PIPELINE_WARM": "0"},
+                          capture_output=True, text=True, timeout=300)
+    assert (cold.returncode, cold.stdout, cold.stderr.replace("\n", "")) == \
+        (done.returncode, done.stdout, done.stderr.replace("\n", ""))
+
+
+def test_signals_reach_the_ddp_training_and_its_workers_are_forks_of_forks(served):
+    """Ctrl-C at the client stops the training in the server's fork as it stops one in the
+    client's own process: every run ends FAILED, the client exits as interrupted, nothing stays.
+    The DDP fork server is a fork of that fork: the workers run the warm server's code, not a
+    fresh `python -c from multiprocessing.forkserver ...`."""
+    project = served
+    env = warm_env(project)
+    params = project / "long.yaml"
+    params.write_text((project / "params.yaml").read_text().replace("epochs: 2", "epochs: 500"))
+    client = subprocess.Popen(["mnist-pipeline", "train", "--mode", "ddp", "--params", str(params)], cwd=project,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        parent = first_epoch_run(project, "ddp", client, timeout=300)
+        assert parent is not None, client.communicate()[1][-3000:] if client.poll() is not None else "no epoch"
+        (server,) = servers_for(project)
+        forks = [pid for pid in children_of(server) if alive(pid)]
+        assert len(forks) == 1
+        workers = ddp_worker_pids(forks[0])
+        assert sorted(workers) == [0, 1]
+        server_command = Path(f"/proc/{server}/cmdline").read_bytes()
+        for pid in workers.values():
+            assert Path(f"/proc/{pid}/cmdline").read_bytes() == server_command
+        client.send_signal(signal.SIGINT)
+        _, stderr = client.communicate(timeout=120)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.communicate()
+    assert client.returncode != 0, stderr[-3000:]
+    runs = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").search_runs([parent.info.experiment_id],
+                                                                         "attributes.run_name LIKE 'ddp%'")
+    assert {r.info.run_name: r.info.status for r in runs} == \
+        {"ddp": "FAILED", "ddp/rank-0": "FAILED", "ddp/rank-1": "FAILED"}, stderr[-3000:]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(alive(pid) for pid in [*forks, *workers.values()]):
+        time.sleep(0.5)
+    assert not [pid for pid in [*forks, *workers.values()] if alive(pid)]
+
+
+def test_a_client_killed_outright_takes_its_command_with_it(served):
+    project = served
+    env = warm_env(project)
+    params = project / "long.yaml"
+    params.write_text((project / "params.yaml").read_text().replace("epochs: 2", "epochs: 500"))
+    client = subprocess.Popen(["mnist-pipeline", "train", "--mode", "single", "--params", str(params)], cwd=project,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert first_epoch_run(project, "single", client, timeout=300) is not None
+        (server,) = servers_for(project)
+        forks = [pid for pid in children_of(server) if alive(pid)]
+        assert len(forks) == 1
+        client.kill()
+        client.communicate(timeout=30)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and alive(forks[0]):
+            time.sleep(0.2)
+        assert not alive(forks[0])
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.communicate()
+
+
+def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
+    project = served
+    env = warm_env(project, MNIST_PIPELINE_WARM_IDLE_S="3")
+    done = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", "missing.yaml"], cwd=project,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "running in this process" not in done.stderr, done.stderr
+    (server,) = [pid for pid in servers_for(project) if
+                 f"{warm.IDLE_ENV}=3".encode() in Path(f"/proc/{pid}/environ").read_bytes()]
+    address = listening_address(server)
+    assert address.startswith("\0mnist-pipeline-warm/")
+    if os.geteuid() == 0:  # another user connects: the server says nothing and hangs up
+        pid = os.fork()
+        if pid == 0:
+            code = 2
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                with socket.socket(socket.AF_UNIX) as other:
+                    other.settimeout(20)
+                    other.connect(address)
+                    code = 0 if other.recv(100) == b"" else 1
+            finally:
+                os._exit(code)
+        assert os.waitpid(pid, 0)[1] == 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and alive(server):
+        time.sleep(0.2)
+    assert not alive(server)
+    with pytest.raises(OSError):
+        socket.socket(socket.AF_UNIX).connect(address)
+
+
+def test_the_key_follows_what_a_fresh_process_reads(tmp_path, monkeypatch):
+    monkeypatch.setenv("DVC_STAGE", "train@single")
+    key = warm.server_key()
+    monkeypatch.setenv("DVC_STAGE", "train@ddp")  # per command, passed to the fork
+    monkeypatch.setenv("DVC_ROOT", "/elsewhere")
+    assert warm.server_key() == key
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # read when torch loads: another server
+    assert warm.server_key() != key
+    # The code: a copy of the project, then one edit, each read by a fresh client.
+    make_project(tmp_path / "proj")
+    keys = []
+    for _ in range(2):
+        keys.append(subprocess.run([sys.executable, "-c", "from stages.warm import server_key; print(server_key())"],
+                                   cwd=tmp_path, env=subprocess_env(PYTHONPATH=str(tmp_path / "proj")),
+                                   capture_output=True, text=True, check=True).stdout)
+        with (tmp_path / "proj" / "pipeline" / "model.py").open("a") as edit:
+            edit.write("\n# edited\n")
+    assert keys[0] != keys[1]
+
+
+def test_not_for_an_outer_launchers_workers_nor_for_help(monkeypatch):
+    monkeypatch.setenv("DVC_STAGE", "train@ddp")
+    monkeypatch.delenv(warm.WARM_ENV, raising=False)
+    assert warm.wanted(["train", "--mode-of-dvc-stage"])
+    assert not warm.wanted(["--help"]) and not warm.wanted(["train", "--help"]) and not warm.wanted([])
+    monkeypatch.setenv("RANK", "0")
+    assert not warm.wanted(["train", "--mode-of-dvc-stage"])
+    monkeypatch.delenv("RANK")
+    monkeypatch.setenv(warm.WARM_ENV, "0")
+    assert not warm.wanted(["train", "--mode-of-dvc-stage"])
+    monkeypatch.delenv("DVC_STAGE")
+    monkeypatch.setenv(warm.WARM_ENV, "1")
+    assert warm.wanted(["evaluate"])
+
+
+# In a fresh interpreter, as the server is: every CUDA call torch could make on its way to
+# initialising the driver is made to fail loudly (tests/test_forkserver.py does the same for the
+# DDP fork server's imports).
+NO_CUDA_IN_THE_SERVER = """
+import threading
+import torch
+
+calls = []
+def refused(name):
+    def call(*args, **kwargs):
+        calls.append(name)
+        raise RuntimeError(name + " called while preloading")
+    return call
+for name in ("_cuda_getDeviceCount", "_cuda_init", "_cuda_getDevice", "_cuda_setDevice"):
+    setattr(torch._C, name, refused(name))
+torch.cuda._lazy_init = refused("torch.cuda._lazy_init")
+
+from stages.warm_server import preload
+print("problem:", preload())
+print("calls:", calls)
+"""
+
+
+def test_what_the_server_imports_never_touches_cuda_nor_starts_a_thread():
+    done = subprocess.run([sys.executable, "-c", NO_CUDA_IN_THE_SERVER], cwd=ROOT, capture_output=True, text=True,
+                          env=subprocess_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-2:] == ["problem: None", "calls: []"], done.stdout
