@@ -23,6 +23,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import socket
+import traceback
 from multiprocessing import connection, resource_tracker, util
 
 # What the server imports for each command's workers, once (pipeline/preloaded.py says why).
@@ -57,12 +58,18 @@ def fork_here() -> None:
         alive_r, alive_w = os.pipe()
         pid = os.fork()
         if pid == 0:
+            code = 0
             try:
                 os.close(alive_w)
                 os.setsid()  # as pipeline.preloaded does in a server started anew
                 multiprocessing.forkserver.main(listener.fileno(), alive_r, [])
+            except SystemExit:  # every launcher is gone: its normal end
+                pass
+            except BaseException:
+                traceback.print_exc()
+                code = 1
             finally:
-                os._exit(0)
+                os._exit(code)
         os.close(alive_r)
     server._forkserver_address = address
     server._forkserver_alive_fd = alive_w

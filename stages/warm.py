@@ -33,6 +33,7 @@ import importlib.util
 import json
 import os
 import resource
+import select
 import signal
 import socket
 import struct
@@ -89,16 +90,16 @@ def run_and_exit(command: Callable[[], object]) -> NoReturn:
     with torch, MLflow and matplotlib loaded, freeing every module's objects one by one took 2 to
     4 s after the last output, on every stage. What an ending must do is done: other threads are
     joined, the exit handlers run (MLflow ends its runs, logging flushes and closes its files),
-    the standard streams are flushed, and an uncaught exception is shown as Python shows it. Every
-    file the pipeline writes is closed by then (pipeline.atomic)."""
+    Python's and C's buffered output is flushed, and an uncaught exception is shown as Python shows
+    it. Every file the pipeline writes is closed by then (pipeline.atomic)."""
+    code, sig = 0, None
     try:
         command()
-        code = 0
     except SystemExit as done:
         code = exit_code(done.code)
     except KeyboardInterrupt:  # Python shows it, and ends by the signal
         traceback.print_exc()
-        code = -signal.SIGINT
+        code, sig = 130, signal.SIGINT
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
@@ -109,11 +110,21 @@ def run_and_exit(command: Callable[[], object]) -> NoReturn:
             stream.flush()
         except (OSError, ValueError, AttributeError):
             pass
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
-        code = 128 - code
+    flush_c_streams()
+    if sig is not None:
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
     os._exit(code & 0xFF)
+
+
+def flush_c_streams() -> None:
+    """What C's exit() would flush: libraries' own printf output (cuDNN's and NCCL's logs) to a pipe."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
 
 
 def exit_code(code: object) -> int:
@@ -167,6 +178,7 @@ def server_key() -> str:
     facts = {
         "protocol": PROTOCOL,
         "python": [sys.executable, sys.version, repr(sys.flags), [os.path.abspath(p) for p in sys.path]],
+        "cwd": os.getcwd(),  # read on import (a matplotlibrc here, multiprocessing's ORIGINAL_DIR)
         "code": code_digest(),
         "packages": installed(),
         "env": sorted((k, v) for k, v in os.environ.items() if not per_command(k)),
@@ -229,9 +241,10 @@ def start_server(address: str) -> None:
     listener.listen(16)
     path = [os.path.abspath(p) for p in sys.path]
     code = f"import sys; sys.path[:] = {path!r}; from stages.warm_server import serve; serve({listener.fileno()})()"
+    flags = subprocess._args_from_interpreter_flags()  # -X, -W, -O, ... as this interpreter has them
     with listener:
-        subprocess.Popen([sys.executable, "-c", code], pass_fds=[listener.fileno()], start_new_session=True,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/")
+        subprocess.Popen([sys.executable, *flags, "-c", code], pass_fds=[listener.fileno()], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 class Client:
@@ -245,7 +258,7 @@ class Client:
         except OSError as exc:
             self._sock.close()
             raise Unavailable(f"no warm server ({exc.strerror})") from None
-        uid = peer_uid(self._sock)
+        _, uid, _ = peer_credentials(self._sock)
         if uid != os.getuid():  # someone else's process holds the name: send it nothing
             self._sock.close()
             raise Unavailable(f"the warm server's socket belongs to uid {uid}, not this user")
@@ -255,40 +268,58 @@ class Client:
 
     def run(self, argv: list[str]) -> int:
         """Run `argv` in a fork of the server; its exit code (negative: the signal that ended it).
-        Unavailable: nothing ran."""
+        Unavailable: nothing ran, and nothing will."""
         # The server says it is ready once it has imported, and only then gets the command: a
         # client that gave up waiting has sent nothing, so nothing runs twice.
         ready = self._answer(START_TIMEOUT_S)
         if not ready.get("ready"):
             raise Unavailable(ready.get("error", "the warm server is not ready"))
-        request = {"argv": argv, "prog": program_name(), "cwd": os.getcwd(), "umask": current_umask(), "path": sys.path,
-                   "env": {k: v for k, v in os.environ.items() if per_command(k)}}
+        # What a fresh process would inherit from this one: the signals it ignores (nohup, a
+        # background job of a script) and blocks stay so in the fork, and are not passed on.
+        ignored = [int(sig) for sig in signal.Signals if signal.getsignal(sig) == signal.SIG_IGN]
+        request = {"argv": argv, "prog": program_name(), "cwd": os.getcwd(), "umask": current_umask(),
+                   "path": sys.path, "env": {k: v for k, v in os.environ.items() if per_command(k)},
+                   "ignored": ignored, "blocked": sorted(int(sig) for sig in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
         with stdio_fds() as fds:
-            socket.send_fds(self._sock, [json.dumps(request).encode() + b"\n"], fds)
-        previous = {sig: signal.signal(sig, self._forward) for sig in FORWARDED}
-        previous[signal.SIGTSTP] = signal.signal(signal.SIGTSTP, self._stop)
+            try:
+                socket.send_fds(self._sock, [json.dumps(request).encode() + b"\n"], fds)
+            except OSError as exc:  # all of it or nothing: the server runs only a whole request
+                raise Unavailable(f"the warm server took no command ({exc})") from None
+        previous = {sig: signal.signal(sig, self._stop if sig == signal.SIGTSTP else self._forward)
+                    for sig in (*FORWARDED, signal.SIGTSTP) if sig not in ignored}
         try:
-            started = self._answer(None)
-            if "pid" not in started:
+            try:
+                started = self._answer(None)
+            except Unavailable:  # it may have forked before it went: never run the command a second time
+                return self._lost(argv)
+            if "pid" not in started:  # said before any fork: nothing ran
                 raise Unavailable(started.get("error", "the warm server refused the command"))
             self._pid = started["pid"]
             for sig in self._pending:
                 self._forward(sig, None)
             try:
-                done = self._answer(None)
-            except Unavailable:  # the server is gone; so must its fork be, or it runs unseen
-                self._kill()
-                print(f"mnist-pipeline: the warm server ended while `{' '.join(argv[1:])}` ran in its process "
-                      f"{self._pid}, which was stopped; run the command again (or set {WARM_ENV}=0)",
-                      file=sys.stderr)
-                return 1
-            return done["exit"]
-        except BaseException:
-            self._kill()
-            raise
+                return self._answer(None)["exit"]
+            except Unavailable:
+                return self._lost(argv)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _lost(self, argv: list[str]) -> int:
+        """The server went away (killed, out of memory) while this command was its: the command
+        itself runs on, its signals still passed on, and this waits for it; how it ended is lost
+        with the server, so this fails and DVC runs the stage again next time."""
+        where = f"in process {self._pid}" if self._pid else "before it said where"
+        if self._pid is not None:
+            try:
+                with os.fdopen(os.pidfd_open(self._pid), "rb") as pidfd:
+                    select.select([pidfd], [], [])
+            except OSError:  # ended already
+                pass
+        print(f"mnist-pipeline: the warm server ended while `{' '.join(argv[1:])}` ran {where}, so how it ended "
+              f"is not known; run it again (or set {WARM_ENV}=0 to run stages in processes of their own)",
+              file=sys.stderr)
+        return 1
 
     def _answer(self, timeout: float | None) -> dict:
         self._sock.settimeout(timeout)
@@ -307,23 +338,25 @@ class Client:
         """As the terminal's signal would have reached the command in a process of its group."""
         if self._pid is None:
             self._pending.append(sig)
-            return
-        try:
-            os.killpg(self._pid, sig)
-        except ProcessLookupError:
-            pass
+        else:
+            signal_group(self._pid, sig)
 
     def _stop(self, sig: int, frame) -> None:
         """Ctrl-Z: the command stops, and so does this process, until SIGCONT (passed on too)."""
         self._forward(signal.SIGTSTP, frame)
         os.kill(os.getpid(), signal.SIGSTOP)
 
-    def _kill(self) -> None:
-        if self._pid is not None:
-            try:
-                os.killpg(self._pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """`sig` to the process group a fork leads (the server makes it one before it tells the pid)."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def program_name() -> str:
@@ -334,9 +367,10 @@ def program_name() -> str:
     return os.path.basename(sys.argv[0])
 
 
-def peer_uid(sock: socket.socket) -> int:
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end, as the kernel vouches for them."""
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
+    return struct.unpack("3i", creds)
 
 
 def current_umask() -> int:

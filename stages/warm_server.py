@@ -14,16 +14,19 @@ seeds its generators as a fresh process would. The native threads some libraries
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Callable
 
 from stages import warm
@@ -41,63 +44,107 @@ DEFAULT_IDLE_S = 30.0
 def serve(listener_fd: int) -> Callable[[], None]:
     """The server's life. Returns only in a fork, with the command that fork is to run."""
     problem = preload()
+    startup_path = list(sys.path)
+    os.chdir("/")  # holds no folder of a project (a test's tmpfs can be unmounted under it)
     idle_s = float(os.environ.get(warm.IDLE_ENV) or DEFAULT_IDLE_S)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
+    stopping = []
+
+    def stop(*_) -> None:  # SIGTERM: take no new command, let the running ones end as they would
+        stopping.append(True)
+
     signal.signal(signal.SIGCHLD, lambda *_: None)  # only to wake the selector through the pipe
+    signal.signal(signal.SIGTERM, stop)
+    # No terminal is this server's: a signal to every process (a job's cgroup, `kill -- -1`) is
+    # for the commands, which each get it too; the server outlives them to report how they ended.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.set_wakeup_fd(wake_w)
-    waiting: dict[socket.socket, None] = {}  # accepted, told ready, the command not received yet
-    running: dict[int, socket.socket] = {}  # pid of a fork -> its client
+    waiting: set[socket.socket] = set()  # told ready, the command not received yet
+    running: dict[socket.socket, int] = {}  # a running command's client -> its fork
     with socket.socket(fileno=listener_fd) as listener, selectors.DefaultSelector() as selector:
         selector.register(listener, selectors.EVENT_READ)
         selector.register(wake_r, selectors.EVENT_READ)
         idle_since = time.monotonic()
         while True:
-            timeout = None if (running or waiting) else idle_since + idle_s - time.monotonic()
-            if timeout is not None and timeout <= 0:
+            if stopping and listener.fileno() >= 0:
+                selector.unregister(listener)
+                listener.close()
+            busy = bool(running or waiting)
+            if not busy and (stopping or time.monotonic() - idle_since >= idle_s):
                 break
+            timeout = None if busy or stopping else idle_since + idle_s - time.monotonic()
             for key, _ in selector.select(timeout):
-                if key.fileobj is listener:
+                conn = key.fileobj
+                if conn is listener:
                     conn = accept(listener, problem)
                     if conn is not None:
-                        waiting[conn] = None
+                        waiting.add(conn)
                         selector.register(conn, selectors.EVENT_READ)
-                elif key.fileobj == wake_r:
+                elif conn == wake_r:
                     drain(wake_r)
-                    for pid, code in reaped(running):
-                        tell(running.pop(pid), {"exit": code}, selector)
-                elif key.fileobj in waiting:
-                    conn = key.fileobj
-                    del waiting[conn]
-                    request = receive(conn)
-                    if request is None:  # the client gave up: nothing runs
-                        selector.unregister(conn)
-                        conn.close()
-                        continue
-                    pid = os.fork()
+                    ended = reaped(set(running.values()))
+                    for client in [c for c, pid in running.items() if pid in ended]:
+                        send(client, {"exit": ended[running.pop(client)]})
+                        selector.unregister(client)
+                        client.close()
+                elif conn in waiting:
+                    waiting.discard(conn)
+                    request = receive(conn, startup_path)
+                    pid = fork(conn, request) if isinstance(request, tuple) else None
                     if pid == 0:  # the command's process: leave the server behind, as it is
                         signal.set_wakeup_fd(-1)
-                        for sock in [*waiting, *running.values(), conn]:
+                        for sock in [*waiting, *running, conn]:
                             sock.close()
                         os.close(wake_r)
                         os.close(wake_w)
                         return lambda: warm.run_and_exit(lambda: run_command(*request))
-                    for fd in request[1]:
-                        os.close(fd)
-                    running[pid] = conn
-                    send(conn, {"pid": pid})
-                else:  # a running command's client: it sends nothing more, so this is its end
-                    conn = key.fileobj
-                    pid = next(p for p, c in running.items() if c is conn)
-                    if not conn.recv(1):  # killed outright: so is the command, as a fresh process would be
-                        kill_group(pid)
+                    if pid is None:  # nothing runs: the client is told why, if it still listens
+                        if isinstance(request, str):
+                            send(conn, {"error": request})
                         selector.unregister(conn)
-            if not running and not waiting:
-                idle_since = time.monotonic() if idle_since is None else idle_since
-            else:
-                idle_since = None
+                        conn.close()
+                    else:
+                        running[conn] = pid
+                        send(conn, {"pid": pid})
+                elif conn in running:  # it sends nothing more: readable means the client is gone
+                    try:
+                        gone = not conn.recv(1)
+                    except OSError:
+                        gone = True
+                    if gone:  # killed outright: so is its command, as a process of its own would be
+                        warm.signal_group(running[conn], signal.SIGKILL)
+                        selector.unregister(conn)
+            if running or waiting:
+                idle_since = time.monotonic()
+    sys.stdout.flush()
+    atexit._run_exitfuncs()  # what the imports registered for the server's own files (matplotlib's cache)
     os._exit(0)
+
+
+def fork(conn: socket.socket, request: tuple[dict, list[int]]) -> int | None:
+    """Fork for `request`: 0 in the fork, its pid here, None if it could not be forked. The fork
+    leads a process group of its own from the moment its pid is known: a signal the client passes
+    on at once reaches it."""
+    sys.stdout.flush()  # nothing the server buffered is written again by the fork
+    sys.stderr.flush()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        for fd in request[1]:
+            os.close(fd)
+        send(conn, {"error": f"the warm server could not fork ({exc})"})
+        return None
+    try:
+        os.setpgid(pid, 0)  # both sides, as a shell does: whichever runs first makes the group
+    except OSError:
+        pass
+    if pid:
+        for fd in request[1]:
+            os.close(fd)
+    return pid
 
 
 def preload() -> str | None:
@@ -112,8 +159,11 @@ def preload() -> str | None:
         plotting.pyplot()
         import torch
 
-        if torch.cuda.is_initialized():
-            return "CUDA was initialised while importing"
+        # torch.cuda.is_available() initialises the driver without torch.cuda.is_initialized()
+        # saying so; the driver's library, loaded, does.
+        loaded = Path("/proc/self/maps").read_text()
+        if torch.cuda.is_initialized() or "libcuda.so" in loaded or "libnvidia-ml.so" in loaded:
+            return "CUDA (or NVML) was loaded while importing, and a fork of it could not use the GPUs"
         if threading.active_count() != 1:
             return f"importing started Python threads: {threading.enumerate()}"
     except BaseException:
@@ -124,7 +174,10 @@ def preload() -> str | None:
 def accept(listener: socket.socket, problem: str | None) -> socket.socket | None:
     conn, _ = listener.accept()
     conn.setblocking(True)
-    if warm.peer_uid(conn) != os.getuid():  # only its own user's commands run here
+    pid, uid, _ = warm.peer_credentials(conn)
+    # Only its own user's commands, from where the server itself runs: the name of an abstract
+    # socket can be read in /proc/net/unix from another container or sandbox of the same user.
+    if uid != os.getuid() or not same_namespaces(pid):
         conn.close()
         return None
     if not send(conn, {"error": f"the warm server cannot serve: {problem}"} if problem else {"ready": True}) \
@@ -134,7 +187,18 @@ def accept(listener: socket.socket, problem: str | None) -> socket.socket | None
     return conn
 
 
-def receive(conn: socket.socket) -> tuple[dict, list[int]] | None:
+def same_namespaces(pid: int) -> bool:
+    try:
+        return all(os.readlink(f"/proc/{pid}/ns/{kind}") == os.readlink(f"/proc/self/ns/{kind}")
+                   for kind in ("mnt", "net", "uts", "ipc", "pid", "user", "cgroup"))
+    except OSError:
+        return False
+
+
+def receive(conn: socket.socket, startup_path: list[str]) -> tuple[dict, list[int]] | str | None:
+    """The client's command and its standard streams; a reason it cannot run here; or None if the
+    client gave up before it sent one."""
+    fds: list[int] = []
     try:
         data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
         while data and not data.endswith(b"\n"):
@@ -142,13 +206,18 @@ def receive(conn: socket.socket) -> tuple[dict, list[int]] | None:
             if not more:
                 break
             data += more
-        if not data.endswith(b"\n") or len(fds) != 3:
-            for fd in fds:
-                os.close(fd)
-            return None
-        return json.loads(data), fds
-    except OSError:
-        return None
+        request = json.loads(data) if data.endswith(b"\n") and len(fds) == 3 else None
+    except (OSError, ValueError):
+        request = None
+    if request is not None and [os.path.abspath(p) for p in request["path"]] != startup_path:
+        request = "the client's sys.path is not the one the server imported with"
+    if not isinstance(request, dict):
+        for fd in fds:
+            os.close(fd)
+        return request
+    # Only what names the command: all else the server was started with, as its key says.
+    request["env"] = {k: v for k, v in request["env"].items() if warm.per_command(k)}
+    return request, fds
 
 
 def send(conn: socket.socket, message: dict) -> bool:
@@ -174,9 +243,9 @@ def drain(fd: int) -> None:
         pass
 
 
-def reaped(running: dict[int, socket.socket]) -> list[tuple[int, int]]:
-    """(pid, exit code; negative for a signal) of each fork that ended."""
-    done = []
+def reaped(forks: set[int]) -> dict[int, int]:
+    """pid -> exit code (negative: the signal) of each of `forks` that ended."""
+    done = {}
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -184,30 +253,33 @@ def reaped(running: dict[int, socket.socket]) -> list[tuple[int, int]]:
             break
         if pid == 0:
             break
-        if pid in running:
-            done.append((pid, os.waitstatus_to_exitcode(status)))
+        if pid in forks:
+            done[pid] = os.waitstatus_to_exitcode(status)
     return done
-
-
-def kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def run_command(request: dict, fds: list[int]) -> None:
     """In the fork: become the process `mnist-pipeline <argv>` would have been, then run it. Its
     end (exit code, traceback, exit handlers, a KeyboardInterrupt's signal) is the interpreter's
     own, as in a fresh process."""
-    os.setsid()  # its own group, which the client signals as the terminal signals a foreground job
+    os.setpgid(0, 0)  # its own group (the server made it too), which the client signals as a terminal would
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
     for fd in fds:
         if fd > 2:
             os.close(fd)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    # Signals as Python starts a process with the client's: SIGINT raises KeyboardInterrupt unless
+    # it was ignored, and what the client ignores or blocks (nohup's SIGHUP) stays so.
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in request["ignored"]:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
+    name_process(b"mnist-pipeline")
+    # Exit handlers that remove what the server made for itself (matplotlib's cache folder, when
+    # its own is not writable) are the server's: the first fork to end would remove it from all.
+    atexit.unregister(shutil.rmtree)
     os.chdir(request["cwd"])
     os.umask(request["umask"])
     for name in [name for name in os.environ if warm.per_command(name)]:
@@ -225,5 +297,18 @@ def run_command(request: dict, fds: list[int]) -> None:
     if cli.launches_local_workers(args[0], args[1:]):
         from pipeline import forkserver
 
-        forkserver.fork_here()  # now, while this process has run nothing
+        try:
+            forkserver.fork_here()  # now, while this process has run nothing
+        except OSError:  # the launch starts one the usual way
+            pass
     cli.main(args=args, prog_name=request["prog"])
+
+
+def name_process(name: bytes) -> None:
+    """What `ps -o comm`, top and the OOM killer's report call the process (prctl PR_SET_NAME)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

@@ -6,6 +6,7 @@ and a new server wherever a fresh process would read something else."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -84,8 +85,9 @@ def project(tmp_path_factory, mnist_dir):
 
 @pytest.fixture
 def served(project):
-    """The module's project, with no warm server of its own left over from another test."""
+    """The module's project, with no warm server of its own, nor a training, left over from another test."""
     stop_servers(project)
+    shutil.rmtree(project / "models", ignore_errors=True)
     yield project
     stop_servers(project)
 
@@ -183,17 +185,32 @@ def test_signals_reach_the_ddp_training_and_its_workers_are_forks_of_forks(serve
 
 
 def test_a_client_killed_outright_takes_its_command_with_it(served):
+    """And a signal the client was started ignoring (nohup's SIGHUP) is ignored by the command
+    too, as a fresh process would inherit it."""
     project = served
     env = warm_env(project)
     params = project / "long.yaml"
     params.write_text((project / "params.yaml").read_text().replace("epochs: 2", "epochs: 500"))
     client = subprocess.Popen(["mnist-pipeline", "train", "--mode", "single", "--params", str(params)], cwd=project,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     try:
         assert first_epoch_run(project, "single", client, timeout=300) is not None
         (server,) = servers_for(project)
         forks = [pid for pid in children_of(server) if alive(pid)]
         assert len(forks) == 1
+        ignored = next(line for line in Path(f"/proc/{forks[0]}/status").read_text().splitlines()
+                       if line.startswith("SigIgn:"))
+        assert int(ignored.split()[1], 16) & (1 << (signal.SIGHUP - 1)), ignored
+        os.killpg(forks[0], signal.SIGHUP)
+        client.send_signal(signal.SIGHUP)
+        time.sleep(2)
+        assert client.poll() is None and alive(forks[0])
+        # Ctrl-Z stops the command with its client (the fork's group is not orphaned), fg resumes both.
+        client.send_signal(signal.SIGTSTP)
+        assert wait_for_state(client.pid, "T") and wait_for_state(forks[0], "T")
+        client.send_signal(signal.SIGCONT)
+        assert wait_for_state(client.pid, "S", "R") and wait_for_state(forks[0], "S", "R")
         client.kill()
         client.communicate(timeout=30)
         deadline = time.monotonic() + 30
@@ -204,6 +221,46 @@ def test_a_client_killed_outright_takes_its_command_with_it(served):
         if client.poll() is None:
             client.kill()
             client.communicate()
+
+
+def wait_for_state(pid: int, *states: str, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text()
+        if next(line for line in status.splitlines() if line.startswith("State:")).split()[1] in states:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_server_that_dies_leaves_its_command_running_and_its_client_failing(served):
+    """The server killed under a running command (the OOM killer): the command goes on, the client
+    still passes signals on and waits for it, then fails, since how it ended went with the server."""
+    project = served
+    env = warm_env(project)
+    params = project / "long.yaml"
+    params.write_text((project / "params.yaml").read_text().replace("epochs: 2", "epochs: 500"))
+    client = subprocess.Popen(["mnist-pipeline", "train", "--mode", "single", "--params", str(params)], cwd=project,
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        parent = first_epoch_run(project, "single", client, timeout=300)
+        assert parent is not None
+        (server,) = servers_for(project)
+        (fork,) = [pid for pid in children_of(server) if alive(pid)]
+        os.kill(server, signal.SIGKILL)
+        time.sleep(2)
+        assert client.poll() is None and alive(fork)
+        client.send_signal(signal.SIGINT)
+        _, stderr = client.communicate(timeout=120)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.communicate()
+    assert client.returncode == 1
+    assert "the warm server ended while `train --mode single" in stderr and "is not known" in stderr, stderr[-2000:]
+    assert not alive(fork)
+    run = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_run(parent.info.run_id)
+    assert run.info.status == "FAILED"  # the command ended as Ctrl-C ends it
 
 
 def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
