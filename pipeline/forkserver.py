@@ -14,6 +14,10 @@ Safe on GPUs: the server is a fresh interpreter that only imports. It never touc
 no Python thread, so each fork initialises CUDA for itself as a fresh process would. Under an
 outer torchrun, Slurm or Kubeflow nothing here runs: the worker is the process they started.
 
+Under DVC the command is itself a fork of the warm server (stages/warm.py), with everything
+imported already: there `fork_here` forks the fork server from the command's process before its
+command runs, instead of starting a fresh interpreter, and pipeline.preloaded is not needed.
+
 Imports nothing heavy: the CLI calls `start` before it loads the stage's module.
 """
 

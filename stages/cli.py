@@ -15,7 +15,8 @@ from stages import warm
 DEBUG_ENV = "MNIST_PIPELINE_DEBUG"  # =1: every error also shows its traceback
 
 # Sub-command -> its module, imported only when that command runs: compare and send-runs need
-# neither torch nor the others' imports, and every stage is a process of its own.
+# neither torch nor the others' imports, and a stage run by hand is a process of its own (under
+# DVC, a fork of the warm server, which imported them all: stages/warm.py).
 COMMANDS = {"prepare": "stages.prepare", "commcheck": "stages.commcheck", "train": "stages.train",
             "evaluate": "stages.evaluate", "compare": "stages.compare", "send-runs": "stages.send_runs",
             "rendezvous-check": "stages.rendezvous_check"}
@@ -147,6 +148,9 @@ Environment:
   MLFLOW_TRACKING_URI   where runs go (default: sqlite:///mlflow.db, files in
                         ./mlartifacts)
   MNIST_PIPELINE_DEBUG  =1: an error also prints its traceback
+  MNIST_PIPELINE_WARM   0: every command in a process of its own; 1: stages
+                        in forks of one warm server, by hand too (default:
+                        under DVC only; Linux)
 \b
 Outputs:
   data/prepared/       the splits

@@ -1,26 +1,32 @@
 """`mnist-pipeline`'s entry point: under DVC, each stage runs as a fork of one warm server that
 imported torch, MLflow and every stage's code once for the whole `dvc repro`.
 
-Each stage is a process of its own, and each used to import the same heavy libraries before any
-work: torch, MLflow with its SQL store, torch._dynamo, matplotlib (benchmarks/pipeline_overhead.py
-times each). Now the first stage that needs them starts the server (stages/warm_server.py), and
-every later `mnist-pipeline` command is a small client: it sends the server its arguments, its
-environment, its working directory and its standard input, output and error, the server forks, and
-the fork runs the command exactly as `mnist-pipeline` would have in a fresh process. The client
-stays in the foreground the whole time: it passes on every signal it gets (Ctrl-C, `docker stop`,
-`timeout`) to the fork's process group, and exits as the fork did, with its exit code or by its
-signal. A client killed outright takes the fork with it.
+Each stage is a process of its own, and each used to import the heavy libraries it needed before
+any work (torch, MLflow with its SQL store, torch._dynamo, matplotlib: benchmarks/
+pipeline_overhead.py times each) and to tear them down after it. Now the first stage that needs
+them starts the server (stages/warm_server.py), and every later `mnist-pipeline` command is a
+small client: it sends the server its arguments, the environment variables that name the DVC
+stage, its working directory and umask, the signals it ignores and blocks, and its standard input,
+output and error; the server forks, and the fork runs the command as `mnist-pipeline` would have
+in a fresh process. The client stays in the foreground the whole time: it passes the signals a
+terminal, `timeout`, a container or a scheduler send (FORWARDED, and Ctrl-Z) on to the fork's
+process group, and exits as the fork did, with its exit code or by its signal. A client killed
+outright takes the fork with it.
 
-A fork is only as good as a fresh process if nothing that a fresh process would read at start-up
-differs. The server is therefore keyed by everything such a process reads (`server_key`): the
-Python, its flags and path, the project's code, the installed packages, the environment but for
-the variables that name the DVC stage, the user, the namespaces (a container, an emulated host),
-the cgroup, the CPUs, the limits. Anything else starts a server of its own; an old one exits when
-idle (`IDLE_ENV`, 30 s). Only the user who started a server can reach it.
+A fork is only as good as a fresh process if nothing the stages read at start-up differs. The
+server is therefore keyed (`server_key`) by the Python (its flags, warning and -X options, path),
+the working directory, the project's code, the installed distributions and .pth files, matplotlib's
+config files, every environment variable but DVC's own `DVC_*` and the shell's `PWD`, `OLDPWD`,
+`SHLVL` and `_` (passed to the fork instead), the user, the host name, the namespaces (a container,
+an emulated host), the cgroup, the CPUs, the priority and the limits. Anything else starts a
+server of its own; an idle one exits (`IDLE_ENV`, 30 s). Only the user who started a server, from
+the same namespaces, can reach it. What still differs from a fresh process: the fork's parent is
+the server, it has no controlling terminal, and it shares the server's string-hash seed.
 
-On by default under DVC (DVC_STAGE set), and never for a worker of an outer launcher (torchrun,
-Slurm, Kubeflow: RANK set): `MNIST_PIPELINE_WARM=0` turns it off, `=1` on for commands by hand too.
-Where the server cannot be had, the command runs in this process, as before.
+On by default under DVC (DVC_STAGE set), on Linux, and never for a worker an outer launcher
+started (torchrun, Slurm, Kubeflow: RANK set): `MNIST_PIPELINE_WARM=0` turns it off, `=1` on for
+commands run by hand too. Where no server can be had, the command runs in this process, as before
+(`MNIST_PIPELINE_DEBUG=1` says why).
 
 Imports only the standard library: this is what every stage's client pays.
 """
@@ -66,12 +72,19 @@ class Unavailable(Exception):
     """No server to be had; the command runs in this process."""
 
 
+class Refused(Unavailable):
+    """The server said it cannot run commands (an import failed, or made it unfit to fork)."""
+
+
 def main() -> None:
     args = sys.argv[1:]
     if not wanted(args):
         return cold()
     try:
-        code = connect(args[0]).run(sys.argv)
+        code = connect(command_of(args)).run(sys.argv)
+    except Refused as why:  # a server that cannot serve is worth a word: every stage runs slower
+        print(f"mnist-pipeline: running in this process: {why} ({WARM_ENV}=0 skips the server)", file=sys.stderr)
+        return cold()
     except Unavailable as why:  # nothing ran: the command runs here
         if os.environ.get("MNIST_PIPELINE_DEBUG", "") not in ("", "0"):
             print(f"mnist-pipeline: running in this process: {why}", file=sys.stderr)
@@ -143,9 +156,16 @@ def wanted(args: list[str]) -> bool:
     setting = os.environ.get(WARM_ENV, "")
     if setting == "0" or sys.platform != "linux" or any(key in os.environ for key in LAUNCHER_ENV):
         return False
-    if not args or args[0].startswith("-") or {"-h", "--help"} & set(args) or "_MNIST_PIPELINE_COMPLETE" in os.environ:
+    if command_of(args) is None or {"-h", "--help"} & set(args) or "_MNIST_PIPELINE_COMPLETE" in os.environ:
         return False  # help, the version, shell completion: nothing to import
     return setting == "1" or "DVC_STAGE" in os.environ
+
+
+def command_of(args: list[str]) -> str | None:
+    """The sub-command, after the CLI's own -v; None for --version or nothing."""
+    while args and args[0] in ("-v", "--verbose"):
+        args = args[1:]
+    return args[0] if args and not args[0].startswith("-") else None
 
 
 def connect(command: str) -> Client:
@@ -177,10 +197,12 @@ def server_key() -> str:
     starts, and so everything a fork of the server must share with this process."""
     facts = {
         "protocol": PROTOCOL,
-        "python": [sys.executable, sys.version, repr(sys.flags), [os.path.abspath(p) for p in sys.path]],
+        "python": [sys.executable, sys.version, repr(sys.flags), sys.warnoptions, sys._xoptions,
+                   [os.path.abspath(p) for p in sys.path]],
         "cwd": os.getcwd(),  # read on import (a matplotlibrc here, multiprocessing's ORIGINAL_DIR)
         "code": code_digest(),
         "packages": installed(),
+        "config": [config_stamp(path) for path in matplotlib_configs()],  # read when matplotlib loads
         "env": sorted((k, v) for k, v in os.environ.items() if not per_command(k)),
         "user": [os.getuid(), os.geteuid(), os.getgid(), os.getegid(), sorted(os.getgroups())],
         "host": [os.uname().nodename, namespaces(), read("/proc/self/cgroup")],
@@ -203,12 +225,33 @@ def code_digest() -> str:
 
 
 def installed() -> list[str]:
-    """The installed distributions, with their versions (pip install, uninstall, an editable install)."""
+    """The installed distributions, with their versions, and the .pth files with what they say
+    (pip install, uninstall, an editable install)."""
     found = []
     for folder in sys.path:
         if folder.endswith(("site-packages", "dist-packages")) and os.path.isdir(folder):
-            found += sorted(name for name in os.listdir(folder) if name.endswith((".dist-info", ".egg-info", ".pth")))
+            for name in sorted(os.listdir(folder)):
+                if name.endswith((".dist-info", ".egg-info")):
+                    found.append(name)
+                elif name.endswith(".pth"):
+                    found.append(name + "\0" + read(os.path.join(folder, name)))
     return found
+
+
+def matplotlib_configs() -> list[str]:
+    """Where matplotlib looks for a matplotlibrc when it is imported."""
+    config_dir = os.environ.get("MPLCONFIGDIR") or os.path.join(
+        os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config"), "matplotlib")
+    return [os.path.join(os.getcwd(), "matplotlibrc"), os.environ.get("MATPLOTLIBRC", ""),
+            os.path.join(config_dir, "matplotlibrc")]
+
+
+def config_stamp(path: str) -> list:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return [path, None]
+    return [path, stat.st_mtime_ns, stat.st_size]
 
 
 def namespaces() -> list[str]:
@@ -273,7 +316,7 @@ class Client:
         # client that gave up waiting has sent nothing, so nothing runs twice.
         ready = self._answer(START_TIMEOUT_S)
         if not ready.get("ready"):
-            raise Unavailable(ready.get("error", "the warm server is not ready"))
+            raise Refused(ready.get("error", "the warm server is not ready"))
         # What a fresh process would inherit from this one: the signals it ignores (nohup, a
         # background job of a script) and blocks stay so in the fork, and are not passed on.
         ignored = [int(sig) for sig in signal.Signals if signal.getsignal(sig) == signal.SIG_IGN]
@@ -293,7 +336,7 @@ class Client:
             except Unavailable:  # it may have forked before it went: never run the command a second time
                 return self._lost(argv)
             if "pid" not in started:  # said before any fork: nothing ran
-                raise Unavailable(started.get("error", "the warm server refused the command"))
+                raise Refused(started.get("error", "the warm server refused the command"))
             self._pid = started["pid"]
             for sig in self._pending:
                 self._forward(sig, None)
@@ -345,7 +388,6 @@ class Client:
         """Ctrl-Z: the command stops, and so does this process, until SIGCONT (passed on too)."""
         self._forward(signal.SIGTSTP, frame)
         os.kill(os.getpid(), signal.SIGSTOP)
-
 
 
 def signal_group(pid: int, sig: int) -> None:

@@ -180,7 +180,8 @@ def accept(listener: socket.socket, problem: str | None) -> socket.socket | None
     if uid != os.getuid() or not same_namespaces(pid):
         conn.close()
         return None
-    if not send(conn, {"error": f"the warm server cannot serve: {problem}"} if problem else {"ready": True}) \
+    if not send(conn, {"error": f"the warm server cannot serve: {problem.strip().splitlines()[-1]}"} if problem
+                else {"ready": True}) \
             or problem:
         conn.close()
         return None
@@ -226,13 +227,6 @@ def send(conn: socket.socket, message: dict) -> bool:
         return True
     except OSError:
         return False
-
-
-def tell(conn: socket.socket, message: dict, selector: selectors.BaseSelector) -> None:
-    send(conn, message)
-    if conn.fileno() in selector.get_map():
-        selector.unregister(conn)
-    conn.close()
 
 
 def drain(fd: int) -> None:

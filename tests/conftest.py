@@ -248,3 +248,22 @@ def first_epoch_run(project: Path, mode: str, proc: subprocess.Popen, timeout: f
                 return parent
         time.sleep(0.5)
     return None
+
+
+# The start of a script for a fresh interpreter that then imports what a server forks from (the
+# DDP fork server, the warm server): every CUDA call torch could make on its way to initialising
+# the driver (cuInit), which a fork would inherit broken, is made to fail loudly and is noted in
+# `calls`, which the script prints last.
+REFUSE_CUDA = """
+import torch
+
+calls = []
+def refused(name):
+    def call(*args, **kwargs):
+        calls.append(name)
+        raise RuntimeError(name + " called while preloading")
+    return call
+for name in ("_cuda_getDeviceCount", "_cuda_init", "_cuda_getDevice", "_cuda_setDevice"):
+    setattr(torch._C, name, refused(name))
+torch.cuda._lazy_init = refused("torch.cuda._lazy_init")
+"""

@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from stages.cli import launches_local_workers
-from tests.conftest import ROOT, SMALL, ddp_worker_pids, make_project, project_env, run, subprocess_env
+from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, ddp_worker_pids, make_project, project_env, run,
+                            subprocess_env)
 
 
 @pytest.fixture
@@ -106,22 +107,7 @@ def parent_of(pid: int) -> int:
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
 
 
-# Run in a fresh interpreter, as the fork server is: every CUDA call torch could make on its way to
-# initialising the driver (cuInit), which a fork would inherit broken, is made to fail loudly.
-NO_CUDA_IN_THE_SERVER = """
-import sys
-import torch
-
-calls = []
-def refused(name):
-    def call(*args, **kwargs):
-        calls.append(name)
-        raise RuntimeError(name + " called while preloading")
-    return call
-for name in ("_cuda_getDeviceCount", "_cuda_init", "_cuda_getDevice", "_cuda_setDevice"):
-    setattr(torch._C, name, refused(name))
-torch.cuda._lazy_init = refused("torch.cuda._lazy_init")
-
+NO_CUDA_IN_THE_SERVER = REFUSE_CUDA + """
 from pipeline.forkserver import PRELOAD
 for modules in PRELOAD.values():
     for module in modules:

@@ -18,8 +18,8 @@ import pytest
 from mlflow import MlflowClient
 
 from stages import warm
-from tests.conftest import (ROOT, SMALL, ddp_worker_pids, first_epoch_run, make_project, project_env, run,
-                            subprocess_env)
+from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, ddp_worker_pids, first_epoch_run, make_project, project_env,
+                            run, subprocess_env)
 
 SERVER_CODE = "from stages.warm_server import serve"
 
@@ -92,6 +92,14 @@ def served(project):
     stop_servers(project)
 
 
+def long_training(project: Path, mode: str, **popen) -> subprocess.Popen:
+    """`train --mode MODE` for 500 epochs, through the warm server: each test stops it."""
+    params = project / "long.yaml"
+    params.write_text((project / "params.yaml").read_text().replace("epochs: 2", "epochs: 500"))
+    return subprocess.Popen(["mnist-pipeline", "train", "--mode", mode, "--params", str(params)], cwd=project,
+                            env=warm_env(project), text=True, **popen)
+
+
 def warm_env(project: Path, **extra: str) -> dict[str, str]:
     return subprocess_env(**project_env(project, MNIST_PIPELINE_WARM="1", MNIST_PIPELINE_DEBUG="1", **extra))
 
@@ -111,7 +119,7 @@ def test_a_dvc_repro_runs_every_stage_but_the_first_in_one_server(tmp_path, mnis
         for mode in ("single", "dp", "ddp"):
             assert (project / "models" / mode / "model.pt").is_file()
         assert (project / "reports" / "comparison.md").is_file()
-        # The same run again, from the warm server: nothing to do, nothing run.
+        # The same run again: nothing to do, nothing run.
         again = run(["dvc", "repro"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
         assert "Data and pipelines are up to date." in again.stdout or "didn't change" in again.stdout, again.stdout
     finally:
@@ -151,11 +159,7 @@ def test_signals_reach_the_ddp_training_and_its_workers_are_forks_of_forks(serve
     The DDP fork server is a fork of that fork: the workers run the warm server's code, not a
     fresh `python -c from multiprocessing.forkserver ...`."""
     project = served
-    env = warm_env(project)
-    params = project / "long.yaml"
-    params.write_text((project / "params.yaml").read_text().replace("epochs: 2", "epochs: 500"))
-    client = subprocess.Popen(["mnist-pipeline", "train", "--mode", "ddp", "--params", str(params)], cwd=project,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    client = long_training(project, "ddp", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         parent = first_epoch_run(project, "ddp", client, timeout=300)
         assert parent is not None, client.communicate()[1][-3000:] if client.poll() is not None else "no epoch"
@@ -173,7 +177,7 @@ def test_signals_reach_the_ddp_training_and_its_workers_are_forks_of_forks(serve
         if client.poll() is None:
             client.kill()
             client.communicate()
-    assert client.returncode != 0, stderr[-3000:]
+    assert client.returncode in (130, -signal.SIGINT), stderr[-3000:]  # the launcher's exit on Ctrl-C
     runs = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").search_runs([parent.info.experiment_id],
                                                                          "attributes.run_name LIKE 'ddp%'")
     assert {r.info.run_name: r.info.status for r in runs} == \
@@ -188,12 +192,8 @@ def test_a_client_killed_outright_takes_its_command_with_it(served):
     """And a signal the client was started ignoring (nohup's SIGHUP) is ignored by the command
     too, as a fresh process would inherit it."""
     project = served
-    env = warm_env(project)
-    params = project / "long.yaml"
-    params.write_text((project / "params.yaml").read_text().replace("epochs: 2", "epochs: 500"))
-    client = subprocess.Popen(["mnist-pipeline", "train", "--mode", "single", "--params", str(params)], cwd=project,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    client = long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     try:
         assert first_epoch_run(project, "single", client, timeout=300) is not None
         (server,) = servers_for(project)
@@ -237,11 +237,7 @@ def test_a_server_that_dies_leaves_its_command_running_and_its_client_failing(se
     """The server killed under a running command (the OOM killer): the command goes on, the client
     still passes signals on and waits for it, then fails, since how it ended went with the server."""
     project = served
-    env = warm_env(project)
-    params = project / "long.yaml"
-    params.write_text((project / "params.yaml").read_text().replace("epochs: 2", "epochs: 500"))
-    client = subprocess.Popen(["mnist-pipeline", "train", "--mode", "single", "--params", str(params)], cwd=project,
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    client = long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         parent = first_epoch_run(project, "single", client, timeout=300)
         assert parent is not None
@@ -261,6 +257,35 @@ def test_a_server_that_dies_leaves_its_command_running_and_its_client_failing(se
     assert not alive(fork)
     run = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_run(parent.info.run_id)
     assert run.info.status == "FAILED"  # the command ended as Ctrl-C ends it
+
+
+def test_a_stopped_server_takes_no_new_command_and_lets_the_running_one_end(served):
+    """SIGTERM to the server (`kill PID`): the running command goes on and its client still learns
+    how it ended; a new command goes to a new server; then the stopped server exits."""
+    project = served
+    client = long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert first_epoch_run(project, "single", client, timeout=300) is not None
+        (server,) = servers_for(project)
+        os.kill(server, signal.SIGTERM)
+        time.sleep(1)
+        assert alive(server) and client.poll() is None
+        other = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", "missing.yaml"],
+                               cwd=project, env=warm_env(project), capture_output=True, text=True, timeout=300)
+        # Its name is free: the new command starts a server of its own and runs there.
+        assert other.returncode == 1 and "missing.yaml: not found" in other.stderr, other.stderr
+        assert "running in this process" not in other.stderr and len(servers_for(project)) == 2
+        client.send_signal(signal.SIGINT)
+        _, stderr = client.communicate(timeout=120)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.communicate()
+    assert client.returncode != 0 and "is not known" not in stderr, stderr[-2000:]  # told how it ended
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and alive(server):
+        time.sleep(0.2)
+    assert not alive(server)
 
 
 def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
@@ -287,12 +312,62 @@ def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
             finally:
                 os._exit(code)
         assert os.waitpid(pid, 0)[1] == 0
+        # Nor does a process of the same user in another mount namespace (another container).
+        probe = ("import socket, sys\n"
+                 "s = socket.socket(socket.AF_UNIX)\n"
+                 f"s.connect({address!r})\n"
+                 "sys.exit(0 if s.recv(100) == b'' else 1)\n")
+        other = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", probe],
+                               capture_output=True, text=True, timeout=60)
+        assert other.returncode == 0, other.stderr
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and alive(server):
         time.sleep(0.2)
     assert not alive(server)
     with pytest.raises(OSError):
         socket.socket(socket.AF_UNIX).connect(address)
+
+
+def test_a_client_sends_nothing_to_another_users_server(monkeypatch):
+    """Another user holding the name of this user's server (after it ended) gets no command."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to be another user")
+    address = warm.server_address()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            squatter = socket.socket(socket.AF_UNIX)
+            squatter.bind(address)
+            squatter.listen()
+            os.write(ready_w, b"x")
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    try:
+        os.read(ready_r, 1)
+        with pytest.raises(warm.Unavailable, match="belongs to uid 65534"):
+            warm.Client(address)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_a_server_unfit_to_fork_says_so_and_the_command_runs_in_its_own_process(served, tmp_path):
+    """An import that starts a thread (here a sitecustomize on PYTHONPATH) makes the server unfit:
+    the client says why, once, and runs the command itself, with the same result."""
+    project = served
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import threading, time\n"
+                                           "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n")
+    env = {**warm_env(project), "PYTHONPATH": f"{project}{os.pathsep}{site}", "MNIST_PIPELINE_DEBUG": "0"}
+    done = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", "missing.yaml"], cwd=project,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "missing.yaml: not found" in done.stderr, done.stderr
+    assert "running in this process: the warm server cannot serve: importing started Python threads" in done.stderr
 
 
 def test_the_key_follows_what_a_fresh_process_reads(tmp_path, monkeypatch):
@@ -303,6 +378,15 @@ def test_the_key_follows_what_a_fresh_process_reads(tmp_path, monkeypatch):
     assert warm.server_key() == key
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # read when torch loads: another server
     assert warm.server_key() != key
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert warm.server_key() == key
+    monkeypatch.chdir(tmp_path)  # a matplotlibrc here would be read
+    here = warm.server_key()
+    assert here != key
+    (tmp_path / "matplotlibrc").write_text("font.size: 20\n")
+    assert warm.server_key() != here
+    monkeypatch.setattr(sys, "warnoptions", ["error"])  # python -W error
+    assert warm.server_key() not in (key, here)
     # The code: a copy of the project, then one edit, each read by a fresh client.
     make_project(tmp_path / "proj")
     keys = []
@@ -330,23 +414,8 @@ def test_not_for_an_outer_launchers_workers_nor_for_help(monkeypatch):
     assert warm.wanted(["evaluate"])
 
 
-# In a fresh interpreter, as the server is: every CUDA call torch could make on its way to
-# initialising the driver is made to fail loudly (tests/test_forkserver.py does the same for the
-# DDP fork server's imports).
-NO_CUDA_IN_THE_SERVER = """
-import threading
-import torch
-
-calls = []
-def refused(name):
-    def call(*args, **kwargs):
-        calls.append(name)
-        raise RuntimeError(name + " called while preloading")
-    return call
-for name in ("_cuda_getDeviceCount", "_cuda_init", "_cuda_getDevice", "_cuda_setDevice"):
-    setattr(torch._C, name, refused(name))
-torch.cuda._lazy_init = refused("torch.cuda._lazy_init")
-
+# The server's own preload, in a fresh interpreter as the server is, every CUDA call refused.
+NO_CUDA_IN_THE_SERVER = REFUSE_CUDA + """
 from stages.warm_server import preload
 print("problem:", preload())
 print("calls:", calls)
@@ -354,6 +423,8 @@ print("calls:", calls)
 
 
 def test_what_the_server_imports_never_touches_cuda_nor_starts_a_thread():
+    """A fork of a process that initialised the CUDA driver cannot use the GPUs: nothing the
+    server imports may call into torch's CUDA runtime, and preload() must find it fit to fork."""
     done = subprocess.run([sys.executable, "-c", NO_CUDA_IN_THE_SERVER], cwd=ROOT, capture_output=True, text=True,
                           env=subprocess_env())
     assert done.returncode == 0, done.stderr[-3000:]
