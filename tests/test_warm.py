@@ -12,7 +12,9 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from mlflow import MlflowClient
@@ -92,12 +94,20 @@ def served(project):
     stop_servers(project)
 
 
-def long_training(project: Path, mode: str, **popen) -> subprocess.Popen:
-    """`train --mode MODE` for 500 epochs, through the warm server: each test stops it."""
+@contextmanager
+def long_training(project: Path, mode: str, **popen) -> Iterator[subprocess.Popen]:
+    """The client of `train --mode MODE` for 500 epochs, through the warm server: each test stops
+    it, and whatever the test left running is killed."""
     params = project / "long.yaml"
     params.write_text((project / "params.yaml").read_text().replace("epochs: 2", "epochs: 500"))
-    return subprocess.Popen(["mnist-pipeline", "train", "--mode", mode, "--params", str(params)], cwd=project,
-                            env=warm_env(project), text=True, **popen)
+    client = subprocess.Popen(["mnist-pipeline", "train", "--mode", mode, "--params", str(params)], cwd=project,
+                              env=warm_env(project), text=True, **popen)
+    try:
+        yield client
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.communicate()
 
 
 def warm_env(project: Path, **extra: str) -> dict[str, str]:
@@ -159,8 +169,7 @@ def test_signals_reach_the_ddp_training_and_its_workers_are_forks_of_forks(serve
     The DDP fork server is a fork of that fork: the workers run the warm server's code, not a
     fresh `python -c from multiprocessing.forkserver ...`."""
     project = served
-    client = long_training(project, "ddp", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
+    with long_training(project, "ddp", stdout=subprocess.PIPE, stderr=subprocess.PIPE) as client:
         parent = first_epoch_run(project, "ddp", client, timeout=300)
         assert parent is not None, client.communicate()[1][-3000:] if client.poll() is not None else "no epoch"
         (server,) = servers_for(project)
@@ -173,10 +182,6 @@ def test_signals_reach_the_ddp_training_and_its_workers_are_forks_of_forks(serve
             assert Path(f"/proc/{pid}/cmdline").read_bytes() == server_command
         client.send_signal(signal.SIGINT)
         _, stderr = client.communicate(timeout=120)
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.communicate()
     assert client.returncode in (130, -signal.SIGINT), stderr[-3000:]  # the launcher's exit on Ctrl-C
     runs = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").search_runs([parent.info.experiment_id],
                                                                          "attributes.run_name LIKE 'ddp%'")
@@ -192,9 +197,8 @@ def test_a_client_killed_outright_takes_its_command_with_it(served):
     """And a signal the client was started ignoring (nohup's SIGHUP) is ignored by the command
     too, as a fresh process would inherit it."""
     project = served
-    client = long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
-    try:
+    with long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) as client:
         assert first_epoch_run(project, "single", client, timeout=300) is not None
         (server,) = servers_for(project)
         forks = [pid for pid in children_of(server) if alive(pid)]
@@ -217,10 +221,6 @@ def test_a_client_killed_outright_takes_its_command_with_it(served):
         while time.monotonic() < deadline and alive(forks[0]):
             time.sleep(0.2)
         assert not alive(forks[0])
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.communicate()
 
 
 def wait_for_state(pid: int, *states: str, timeout: float = 20) -> bool:
@@ -237,8 +237,7 @@ def test_a_server_that_dies_leaves_its_command_running_and_its_client_failing(se
     """The server killed under a running command (the OOM killer): the command goes on, the client
     still passes signals on and waits for it, then fails, since how it ended went with the server."""
     project = served
-    client = long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
+    with long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as client:
         parent = first_epoch_run(project, "single", client, timeout=300)
         assert parent is not None
         (server,) = servers_for(project)
@@ -248,10 +247,6 @@ def test_a_server_that_dies_leaves_its_command_running_and_its_client_failing(se
         assert client.poll() is None and alive(fork)
         client.send_signal(signal.SIGINT)
         _, stderr = client.communicate(timeout=120)
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.communicate()
     assert client.returncode == 1
     assert "the warm server ended while `train --mode single" in stderr and "is not known" in stderr, stderr[-2000:]
     assert not alive(fork)
@@ -263,8 +258,7 @@ def test_a_stopped_server_takes_no_new_command_and_lets_the_running_one_end(serv
     """SIGTERM to the server (`kill PID`): the running command goes on and its client still learns
     how it ended; a new command goes to a new server; then the stopped server exits."""
     project = served
-    client = long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
+    with long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as client:
         assert first_epoch_run(project, "single", client, timeout=300) is not None
         (server,) = servers_for(project)
         os.kill(server, signal.SIGTERM)
@@ -277,10 +271,6 @@ def test_a_stopped_server_takes_no_new_command_and_lets_the_running_one_end(serv
         assert "running in this process" not in other.stderr and len(servers_for(project)) == 2
         client.send_signal(signal.SIGINT)
         _, stderr = client.communicate(timeout=120)
-    finally:
-        if client.poll() is None:
-            client.kill()
-            client.communicate()
     assert client.returncode != 0 and "is not known" not in stderr, stderr[-2000:]  # told how it ended
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and alive(server):
