@@ -100,8 +100,8 @@ def cold() -> None:
 
 def run_and_exit(command: Callable[[], object]) -> NoReturn:
     """Run `command`, then end this process as the interpreter would, but without tearing it down:
-    with torch, MLflow and matplotlib loaded, freeing every module's objects one by one took 2 to
-    4 s after the last output, on every stage. What an ending must do is done: other threads are
+    with torch, MLflow and matplotlib loaded, freeing every module's objects one by one took
+    seconds after the last output, on every stage. What an ending must do is done: other threads are
     joined, the exit handlers run (MLflow ends its runs, logging flushes and closes its files),
     Python's and C's buffered output is flushed, and an uncaught exception is shown as Python shows
     it. Every file the pipeline writes is closed by then (pipeline.atomic)."""
