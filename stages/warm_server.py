@@ -64,6 +64,7 @@ def serve(listener_fd: int) -> Callable[[], None]:
     signal.set_wakeup_fd(wake_w)
     waiting: set[socket.socket] = set()  # told ready, the command not received yet
     running: dict[socket.socket, int] = {}  # a running command's client -> its fork
+    gone: set[socket.socket] = set()  # clients of running forks that went away (no longer selected)
     with socket.socket(fileno=listener_fd) as listener, selectors.DefaultSelector() as selector:
         selector.register(listener, selectors.EVENT_READ)
         selector.register(wake_r, selectors.EVENT_READ)
@@ -88,7 +89,10 @@ def serve(listener_fd: int) -> Callable[[], None]:
                     ended = reaped(set(running.values()))
                     for client in [c for c, pid in running.items() if pid in ended]:
                         send(client, {"exit": ended[running.pop(client)]})
-                        selector.unregister(client)
+                        if client in gone:  # its end was seen already, and its fork killed
+                            gone.discard(client)
+                        else:
+                            selector.unregister(client)
                         client.close()
                 elif conn in waiting:
                     waiting.discard(conn)
@@ -111,12 +115,13 @@ def serve(listener_fd: int) -> Callable[[], None]:
                         send(conn, {"pid": pid})
                 elif conn in running:  # it sends nothing more: readable means the client is gone
                     try:
-                        gone = not conn.recv(1)
+                        hung_up = not conn.recv(1)
                     except OSError:
-                        gone = True
-                    if gone:  # killed outright: so is its command, as a process of its own would be
+                        hung_up = True
+                    if hung_up:  # killed outright: so is its command, as a process of its own would be
                         warm.signal_group(running[conn], signal.SIGKILL)
                         selector.unregister(conn)
+                        gone.add(conn)  # reaped like any fork, on its SIGCHLD
             if running or waiting:
                 idle_since = time.monotonic()
     sys.stdout.flush()

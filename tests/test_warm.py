@@ -221,6 +221,8 @@ def test_a_client_killed_outright_takes_its_command_with_it(served):
         while time.monotonic() < deadline and alive(forks[0]):
             time.sleep(0.2)
         assert not alive(forks[0])
+        time.sleep(1)
+        assert servers_for(project) == [server]  # it reaped the fork and serves on
 
 
 def wait_for_state(pid: int, *states: str, timeout: float = 20) -> bool:
