@@ -22,6 +22,7 @@ def writable_folder(folder: str | Path) -> Path:
     """`folder`, made if need be; an error naming it unless files can be written there (a stage
     checks its output folders before it works, not after)."""
     folder = Path(folder)
+    in_the_way(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         if not os.access(folder, os.W_OK):
@@ -34,6 +35,18 @@ def writable_folder(folder: str | Path) -> Path:
             "or fix its permissions"
         ) from None
     return folder
+
+
+def in_the_way(folder: str | Path) -> None:
+    """An error naming the file that stands where `folder` (or a folder above it) goes: a folder
+    cannot be made there, whatever its permissions."""
+    folder = Path(folder)
+    for path in (folder, *folder.parents):
+        if path.is_dir():
+            return
+        if path.exists() or path.is_symlink():
+            raise PipelineError(f"{folder}: a file is in the way ({path} is not a folder); move it away, then run "
+                                "again")
 
 
 def _umask() -> int:

@@ -37,6 +37,28 @@ PRELOAD = {"commcheck": ["pipeline.preloaded", "stages.commcheck"],
 START_METHOD = "forkserver"  # torchrun's agent starts each worker as a fork of the server
 
 
+# sun_path holds 108 bytes with its NUL; CPython names the server's socket
+# <temp dir>/pymp-XXXXXXXX/listener-XXXXXXXX, 32 bytes past the temp dir (TMPDIR).
+UNIX_PATH_MAX = 107
+SOCKET_NAME_BYTES = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def check_socket_path() -> None:
+    """The fork server's socket fits in the temp dir, else a line that names TMPDIR and the
+    limit (Python's own error is a traceback ending "AF_UNIX path too long")."""
+    import tempfile
+
+    from pipeline.errors import PipelineError
+
+    folder = tempfile.gettempdir()
+    needed = len(os.fsencode(folder)) + SOCKET_NAME_BYTES
+    if needed > UNIX_PATH_MAX:
+        raise PipelineError(
+            f"TMPDIR={folder} is {len(os.fsencode(folder))} bytes long: the DDP workers' fork server puts a socket "
+            f"there whose path would be {needed} bytes, over the {UNIX_PATH_MAX} a Unix socket allows; set TMPDIR "
+            f"to a folder of at most {UNIX_PATH_MAX - SOCKET_NAME_BYTES} bytes (e.g. TMPDIR=/tmp)")
+
+
 def start(command: str) -> None:
     """Start the fork server for `command`'s workers now, if it is not running: it imports in the
     background while this process goes on. It holds this process's environment as it is now,

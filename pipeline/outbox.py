@@ -215,5 +215,9 @@ def _remove(path: Path) -> None:
 
 
 def _short(exc: Exception) -> str:
-    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return text[:200]
+    """The error's own words, first line: SQLAlchemy's wrapper (`orig`) gives the database's
+    ("database is locked"), not its note on what raised it ("(raised as a result of Query-invoked
+    autoflush ...)")."""
+    exc = getattr(exc, "orig", None) or exc
+    lines = [line for line in str(exc).splitlines() if line.strip() and not line.lstrip().startswith(("(raised as", "[SQL: (raised as"))]
+    return (lines[0] if lines else type(exc).__name__)[:200]

@@ -6,13 +6,14 @@ normalises there with the mean and std recorded here.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pipeline.atomic import atomic_dir, read_json
+from pipeline.atomic import atomic_dir, read_json, write_failed
 from pipeline.config import DataConfig
 from pipeline.errors import DataError
 from pipeline.mnist import NUM_CLASSES, IdxFile, Split
@@ -61,6 +62,7 @@ def describe(splits: dict[str, Split], sources: list[IdxFile], verified: bool) -
                 "count": len(split.labels),
                 "image_shape": list(split.images.shape[1:]),
                 "class_counts": torch.bincount(split.labels, minlength=NUM_CLASSES).tolist(),
+                "sha256": split_digest(split),
             }
             for name, split in splits.items()
         },
@@ -72,11 +74,46 @@ def describe(splits: dict[str, Split], sources: list[IdxFile], verified: bool) -
     }
 
 
+def split_digest(split: Split) -> str:
+    """SHA-256 over a split's pixels and labels (their bytes, in order): what `prepare` made, so a
+    file changed after it (in DVC's cache, by hand) is found before anything trains on it."""
+    digest = hashlib.sha256()
+    for tensor in (split.images, split.labels):
+        digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def check_as_prepared(data_dir: Path, name: str, split: Split, stats: dict) -> None:
+    """`split` holds what `prepare` wrote and described in stats.json: its class counts and, from
+    stats written since the digest was added, its bytes."""
+    described = stats.get("splits", {}).get(name, {})
+    counts = torch.bincount(split.labels, minlength=NUM_CLASSES).tolist() if len(split.labels) else []
+    changed = None
+    if described.get("class_counts") is not None and counts != described["class_counts"]:
+        changed = f"its class counts are {counts}, {STATS_FILE} says {described['class_counts']}"
+    elif described.get("sha256") and split_digest(split) != described["sha256"]:
+        changed = f"its contents do not match the SHA-256 in {STATS_FILE}"
+    if changed:
+        raise DataError(f"{Path(data_dir) / f'{name}.pt'}: changed since `prepare` wrote it ({changed}); run "
+                        "`dvc repro --force prepare` (or `mnist-pipeline prepare`) to make it again")
+
+
 def save_prepared(out_dir: Path, splits: dict[str, Split], stats: dict) -> None:
     with atomic_dir(out_dir, PREPARED_FILES) as tmp:
         for name, split in splits.items():
-            torch.save({"images": split.images.contiguous(), "labels": split.labels}, tmp / f"{name}.pt")
-        (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
+            try:
+                torch.save({"images": split.images.contiguous(), "labels": split.labels}, tmp / f"{name}.pt")
+            except (RuntimeError, OSError) as exc:  # torch's writer says a full disk as "unexpected pos ..."
+                raise write_failed(out_dir / f"{name}.pt", f"torch.save failed: {_first_line(exc)}") from None
+        try:
+            (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
+        except OSError as exc:
+            raise write_failed(out_dir / STATS_FILE, exc.strerror or str(exc)) from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
 def load_split(data_dir: Path, name: str) -> Split:

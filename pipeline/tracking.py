@@ -56,6 +56,9 @@ DEFAULT_ARTIFACTS = "mlartifacts"
 PARENT_TAG = "mlflow.parentRunId"
 HEALTH_TIMEOUT_S = 5
 SQLITE_BUSY_S = 30  # how long a SQLite store may be busy with another process before it is an error
+# Bytes: SQLite's unix layer takes paths of up to 512 (MAX_PATHNAME), and the store's "-journal" file
+# must fit too (measured here: 504 opens, 505 is "unable to open database file").
+SQLITE_MAX_PATH = 504
 OUTBOX_DIR = "tracking-outbox"  # in the mode's output folder: what a rank could not send yet
 FAILED_DRAIN_S = 10  # after a failure, how long ending the runs may wait on the server
 
@@ -114,10 +117,11 @@ def _http_status(exc: BaseException) -> int | None:
 
 
 REFUSALS = ("Permission denied", "Read-only file system", "readonly database", "Disk quota exceeded",
-            "No space left on device", "database or disk is full")
+            "No space left on device", "database or disk is full", "Not a directory", "Is a directory")
 
 
-REFUSING_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT}
+# ENOTDIR, EISDIR: a file where the artifact folder goes (or the reverse), which no wait mends.
+REFUSING_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR, errno.EISDIR}
 
 
 def refused(exc: BaseException) -> bool:
@@ -134,6 +138,12 @@ def refused(exc: BaseException) -> bool:
     if isinstance(exc, OSError):
         return exc.errno in REFUSING_ERRNOS and type(exc).__module__.split(".")[0] not in ("requests", "urllib3")
     return isinstance(exc, (ValueError, KeyError, TypeError)) and type(exc).__module__.split(".")[0] != "mlflow"
+
+
+def run_deleted(exc: BaseException) -> bool:
+    """MLflow's refusal of a call on a run deleted in the UI: "... must be in the 'active' state.
+    Current state is deleted."."""
+    return "Current state is deleted" in str(exc)
 
 
 def _reason(exc: BaseException) -> str:
@@ -222,13 +232,49 @@ def check_store(uri: str) -> None:
     path = _sqlite_path(uri)
     if path is None:
         return  # another store MLflow knows (a database URL): MLflow itself reports its errors
+    if len(os.fsencode(path.absolute())) > SQLITE_MAX_PATH:
+        raise PipelineError(
+            f"tracking store {uri}: its path is {len(os.fsencode(path.absolute()))} bytes, longer than the "
+            f"{SQLITE_MAX_PATH} bytes SQLite can open; run from a shorter folder, or set MLFLOW_TRACKING_URI to a "
+            "store with a shorter path (sqlite:////SHORT/PATH/mlflow.db) or to a tracking server")
     if not path.parent.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise PipelineError(f"tracking store {uri}: cannot write {path}; fix its permissions or MLFLOW_TRACKING_URI")
+    check_artifact_folder(project_root() / DEFAULT_ARTIFACTS)
     try:
         _use_wal(path)
+        _can_write(path)
+    except sqlite3.OperationalError as exc:
+        if "locked" in str(exc):
+            raise PipelineError(
+                f"tracking store {uri}: another process has held {path} locked for over {SQLITE_BUSY_S} s (an open "
+                "write transaction: a `sqlite3` shell, a backup, another tool); end it, then run again") from None
+        raise PipelineError(f"tracking store {uri}: {path} is not a usable SQLite database ({exc}); move it away "
+                            "to start a new store, or point MLFLOW_TRACKING_URI at another one") from None
     except sqlite3.Error as exc:
         raise PipelineError(f"tracking store {uri}: {path} is not a usable SQLite database ({exc}); move it away "
                             "to start a new store, or point MLFLOW_TRACKING_URI at another one") from None
+
+
+def check_artifact_folder(folder: Path) -> None:
+    """The default store's artifact folder is a folder this process can write into, or can be
+    made: found before training, not as an 'outage' once it is over."""
+    existing = next((p for p in (folder, *folder.parents) if p.exists() or p.is_symlink()), None)
+    if existing is not None and not existing.is_dir():
+        raise PipelineError(f"{folder}: a file is in the way of the MLflow artifact folder ({existing} is not a "
+                            "folder); move it away, or set MLFLOW_TRACKING_URI to another store")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        why = "Read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "Permission denied"
+        raise PipelineError(f"{folder}: the MLflow artifact folder cannot be written ({existing}: {why}); fix "
+                            "that, or set MLFLOW_TRACKING_URI to another store")
+
+
+def _can_write(path: Path) -> None:
+    """A write transaction can begin, waiting for another process's to end as long as a busy store
+    may take (MLflow's own engine waits SQLite's default 5 s, and would fail the training's start
+    after the disk changed)."""
+    with closing(sqlite3.connect(path, timeout=SQLITE_BUSY_S, isolation_level=None)) as db:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("ROLLBACK")
 
 
 def _use_wal(path: Path, patience_s: float = SQLITE_BUSY_S) -> None:
@@ -271,7 +317,8 @@ def preflight(config: TrackingConfig) -> str | None:
 
 def missing_runs(config: TrackingConfig, ids: dict) -> list[str]:
     """The runs of `ids` (a training's, from mlflow_run.json) that the current store does not
-    hold: a training whose store changed cannot continue in them."""
+    hold, or holds deleted (in the UI, or by `mlflow gc`'s first step): a training whose store
+    changed cannot continue in them."""
     if not config.enabled or not ids:
         return []
     from mlflow import MlflowClient
@@ -280,7 +327,8 @@ def missing_runs(config: TrackingConfig, ids: dict) -> list[str]:
     client, missing = MlflowClient(tracking_uri()), []
     for run_id in [ids["parent"], *ids.get("children", {}).values()]:
         try:
-            client.get_run(run_id)
+            if client.get_run(run_id).info.lifecycle_stage == "deleted":
+                missing.append(run_id)
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_DOES_NOT_EXIST":
                 raise
@@ -464,6 +512,13 @@ class ModeRun:
         refusal = getattr(self.outbox, "refusal", None)
         if left and refusal is not None:
             self._end_now("FAILED")  # the end calls wait behind the refused one: no run may stay RUNNING
+            if run_deleted(refusal):
+                raise PipelineError(
+                    f"{self.mode}: a run of this training was deleted in the tracking store {shown(self.uri)} while it "
+                    f"trained ({_reason(refusal)}). Training's outputs are saved; what rank {self.rank.rank} could not "
+                    f"send ({left} calls) is kept in {self.outbox.path}, for runs that are gone: drop it with "
+                    f"`mnist-pipeline send-runs --mode {self.mode} --discard`, or restore the runs in the UI and "
+                    f"`mnist-pipeline send-runs --mode {self.mode}`; a new training makes new runs")
             raise PipelineError(
                 f"{self.mode}: the tracking store {shown(self.uri)} refused this training's tracking "
                 f"({_reason(refusal)}). Training's outputs are saved; what rank {self.rank.rank} could not send "

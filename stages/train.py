@@ -17,8 +17,8 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline import checkpoint, lockfile, outbox, parallel, tracking
-from pipeline.atomic import save_torch, writable_folder, write_json, write_text
+from pipeline import checkpoint, forkserver, lockfile, outbox, parallel, tracking
+from pipeline.atomic import in_the_way, save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, UNFINISHED_FILE, resume_state, trajectory
 from pipeline.config import MODES, Config, flatten, load_config
 from pipeline.determinism import use_deterministic_algorithms
@@ -27,7 +27,7 @@ from pipeline.errors import PipelineError
 from pipeline.loop import TRACE_DIR, Training, to_device
 from pipeline.loop import train as train_model
 from pipeline.mnist import IMAGE_SIZE
-from pipeline.prepared import STATS_FILE, Split, load_prepared, load_split, load_stats
+from pipeline.prepared import STATS_FILE, Split, check_as_prepared, load_prepared, load_split, load_stats
 from stages.common import model_dir, params_option, read_run_ids, run_ids_file
 from stages.workers import gpu_request, launch_workers, run_facts, slurm_ready, submit_to_slurm
 
@@ -131,8 +131,9 @@ def attach_rank_log(path: Path) -> Path:
     return path
 
 
-def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, resume: bool) -> None:
-    """Train in this process: the whole job for single and dp, one rank's share for ddp."""
+def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resume: bool) -> None:
+    """Train in this process: the whole job for single and dp, one rank's share for ddp.
+    `params_text`: the params file as `config` was read from it."""
     rank = parallel.rank_from_env()
     if not rank.is_main:
         for handler in logging.getLogger().handlers:  # other ranks speak only when something fails
@@ -180,12 +181,12 @@ def run_worker(config: Config, params_path: Path, mode: str, data_dir: Path, res
                            extra_state={"mlflow": runs.ids}, log_every_n_steps=config.tracking.log_every_n_steps)
             model, history = train_model(run, train_split, val_split)
             if rank.is_main:
-                write_outputs(config, params_path, mode, rank, device, model, history, data, runs)
+                write_outputs(config, params_text, mode, rank, device, model, history, data, runs)
             trace = out / TRACE_DIR / f"trace-rank-{rank.rank}.json"  # opens in Perfetto (ui.perfetto.dev)
             runs.log_rank_artifacts([rank_log, *([trace] if trace.is_file() else [])])
 
 
-def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.Rank, device: torch.device,
+def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Rank, device: torch.device,
                   model: torch.nn.Module, history: list[dict], data, runs) -> None:
     out = model_dir(mode)
     curves = CURVES_DIR / f"{mode}.csv"
@@ -202,7 +203,7 @@ def write_outputs(config: Config, params_path: Path, mode: str, rank: parallel.R
     write_json(run_ids_file(mode), runs.ids)
     # The run's files are uploaded from the mode's own folder only (tracking.op_checker): copies.
     run_files = out / RUN_FILES
-    write_text(run_files / "params.yaml", params_path.read_text())
+    write_text(run_files / "params.yaml", params_text)  # as read at the start, not as the file is now
     write_text(run_files / curves.name, curves.read_text())
     example = to_device(Split(data.splits["val"].images[:4], data.splits["val"].labels[:4]),
                         data.mean, data.std, torch.device("cpu")).images
@@ -229,7 +230,7 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
     if record is not None and not asked:
         why_not = checkpoint.why_not_continue(out, record, trajectory(config.train, mode), inputs)
         if why_not is None and missing:
-            why_not = (f"its MLflow runs are not in the tracking store "
+            why_not = (f"its MLflow runs are not in (or were deleted from) the tracking store "
                        f"{tracking.shown(tracking.tracking_uri())} (was MLFLOW_TRACKING_URI changed?)")
         go_on = why_not is None
         if go_on:
@@ -263,6 +264,8 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
     if mode == "ddp":
         # Fail here, before any worker starts, on what would fail in every worker.
         workers, nodes = parallel.ddp_layout(config.train)
+        if config.train.launcher == "local" and not parallel.under_torchrun():
+            forkserver.check_socket_path()
         if config.train.launcher == "slurm":
             slurm_ready()
             gpu_request(config)
@@ -283,6 +286,7 @@ def check_prepared(data_dir: Path, batch_size: int) -> None:
                 f"{data_dir / f'{name}.pt'}: holds {len(split.labels)} images of "
                 f"{'x'.join(map(str, split.images.shape[1:]))} pixels, not the 28x28 MNIST images {STATS_FILE} "
                 "describes; run `mnist-pipeline prepare` (or `dvc repro prepare`) again")
+        check_as_prepared(data_dir, name, split, stats)  # its labels and pixels, not only its shape
     train_count, val_count = stats["splits"]["train"]["count"], stats["splits"]["val"]["count"]
     if train_count < batch_size:
         log.warning("the training split has %d images (%d more were taken for validation, data.val_size), fewer "
@@ -303,11 +307,15 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
     mode = stage_mode() if from_stage else mode
     if mode is None:
         raise click.UsageError("say which mode to train: --mode single, dp or ddp")
-    config = load_config(params_path)
+    config, params_text = load_config(params_path), None
+    try:
+        params_text = Path(params_path).read_text()  # what a run records, and checked at the end
+    except OSError as exc:
+        raise PipelineError(f"{params_path}: cannot be read ({exc.strerror})") from None
     if parallel.under_torchrun():  # a worker: the launcher (this command, torchrun or a scheduler) decided
         if parallel.rank_from_env().is_main:
             check_output_folders(mode)
-        run_worker(config, Path(params_path), mode, Path(data_dir), resume)
+        run_worker(config, params_text, mode, Path(data_dir), resume)
         return
     check_output_folders(mode)  # the lock lives in models/<mode>
     with lockfile.held(model_dir(mode), f"train --mode {mode}"):
@@ -316,8 +324,29 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
         if mode == "ddp":
             launch_ddp(config, params_path, data_dir, resume)
         else:
-            run_worker(config, Path(params_path), mode, Path(data_dir), resume)
+            run_worker(config, params_text, mode, Path(data_dir), resume)
+        params_unchanged(Path(params_path), params_text, config)  # else DVC would record what did not train
         (model_dir(mode) / UNFINISHED_FILE).unlink()  # only now: every output is in place
+
+
+def params_unchanged(path: Path, text: str | None, config: Config) -> None:
+    """The params file still says what this training read at its start. DVC records the params it
+    finds after the stage, so an edit saved during the training would put settings into dvc.lock
+    that never trained: the stage fails instead, and DVC records nothing."""
+    try:
+        now = path.read_text()
+    except OSError:
+        now = None
+    if now == text:
+        return
+    try:
+        new, old = flatten(load_config(path)), flatten(config)
+        keys = [key for key in old if new.get(key) != old[key]]
+        changed = ", ".join(f"{key}: {old[key]!r} -> {new.get(key)!r}" for key in keys[:4]) or "its text only"
+    except PipelineError as exc:
+        changed = f"now unreadable: {exc}"
+    raise PipelineError(f"{path} changed while this training ran ({changed}): the outputs are of the settings it "
+                        "read at its start, so DVC records nothing; run it again to train with the new settings")
 
 
 def stage_mode() -> str:
@@ -332,9 +361,12 @@ def stage_mode() -> str:
 
 
 def check_output_folders(mode: str) -> None:
-    """Before any work: training is lost if it cannot be saved."""
+    """Before any work, and before anything an earlier training left is removed: training is lost
+    if it cannot be saved."""
     for folder in (model_dir(mode), RESULTS_DIR, CURVES_DIR, STEPS_DIR, BREAKDOWN_DIR):
         writable_folder(folder)
+    for folder in ("logs", TRACE_DIR, RUN_FILES, tracking.OUTBOX_DIR):  # made later, by the training
+        in_the_way(model_dir(mode) / folder)
 
 
 def launch_ddp(config: Config, params_path: str, data_dir: str, resume: bool) -> None:

@@ -84,10 +84,12 @@ def main() -> None:
         code = connect(command_of(args)).run(sys.argv)
     except Refused as why:  # a server that cannot serve is worth a word: every stage runs slower
         print(f"mnist-pipeline: running in this process: {why} ({WARM_ENV}=0 skips the server)", file=sys.stderr)
-        return cold()
+        code = None
     except Unavailable as why:  # nothing ran: the command runs here
         if os.environ.get("MNIST_PIPELINE_DEBUG", "") not in ("", "0"):
             print(f"mnist-pipeline: running in this process: {why}", file=sys.stderr)
+        code = None
+    if code is None:  # outside the handlers: the command's own errors are not chained to why it runs here
         return cold()
     exit_like(code)
 

@@ -21,6 +21,7 @@ SBATCH_SCRIPT = Path("deploy/slurm/train.sbatch")
 def launch_workers(config: Config, command: list[str]) -> None:
     """Run `mnist-pipeline <command>` as one worker per device, as torchrun would."""
     nproc = config.train.nproc or parallel.default_nproc(config.train.device)
+    forkserver.check_socket_path()
     click.echo(f"{command[0]}: launching {nproc} workers")
     forkserver.start(command[0])  # the CLI started it already, unless it could not tell it would launch
     parallel.launch_workers(nproc, run_worker_command, command)
