@@ -65,11 +65,16 @@ LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT, signal.SIGWINCH)
 START_TIMEOUT_S = 600  # the server's imports, on a machine busy with something else
+READY_POLL_S = 0.5  # how often a client waiting for the server's imports looks whether it is stopped
 forked = False  # True in a fork of the server (set there): the command's process is warm already
 
 
 class Unavailable(Exception):
     """No server to be had; the command runs in this process."""
+
+
+class TimedOut(Unavailable):
+    """No answer within the time asked for."""
 
 
 class Refused(Unavailable):
@@ -303,7 +308,8 @@ class Client:
         except OSError as exc:
             self._sock.close()
             raise Unavailable(f"no warm server ({exc.strerror})") from None
-        _, uid, _ = peer_credentials(self._sock)
+        # The pid of the process that last listened: the server itself, which listens again first thing.
+        self._server_pid, uid, _ = peer_credentials(self._sock)
         if uid != os.getuid():  # someone else's process holds the name: send it nothing
             self._sock.close()
             raise Unavailable(f"the warm server's socket belongs to uid {uid}, not this user")
@@ -316,7 +322,7 @@ class Client:
         Unavailable: nothing ran, and nothing will."""
         # The server says it is ready once it has imported, and only then gets the command: a
         # client that gave up waiting has sent nothing, so nothing runs twice.
-        ready = self._answer(START_TIMEOUT_S)
+        ready = self._wait_ready()
         if not ready.get("ready"):
             raise Refused(ready.get("error", "the warm server is not ready"))
         # What a fresh process would inherit from this one: the signals it ignores (nohup, a
@@ -366,12 +372,31 @@ class Client:
               file=sys.stderr)
         return 1
 
+    def _wait_ready(self) -> dict:
+        """The server's word that it has imported: waited for while it imports (a busy machine may
+        take minutes), but not from a server that is stopped (SIGSTOP, a debugger) or gone, which
+        would never give it."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                return self._answer(min(READY_POLL_S, max(deadline - time.monotonic(), 0.01)))
+            except TimedOut:
+                if time.monotonic() >= deadline:
+                    raise Unavailable(f"no word from the warm server in {START_TIMEOUT_S} s") from None
+                state = process_state(self._server_pid)
+                if state in (None, "Z", "X"):
+                    raise Unavailable(f"the warm server (process {self._server_pid}) is gone") from None
+                if state in ("T", "t"):
+                    raise Unavailable(f"the warm server (process {self._server_pid}) is stopped") from None
+
     def _answer(self, timeout: float | None) -> dict:
         self._sock.settimeout(timeout)
         while b"\n" not in self._buffer:
             try:
                 chunk = self._sock.recv(4096)
-            except (OSError, TimeoutError) as exc:
+            except TimeoutError:
+                raise TimedOut("no answer from the warm server yet") from None
+            except OSError as exc:
                 raise Unavailable(f"no answer from the warm server ({exc})") from None
             if not chunk:
                 raise Unavailable("the warm server closed the connection")
@@ -409,6 +434,14 @@ def program_name() -> str:
     if spec is not None and spec.name.endswith(".__main__"):  # python -m pipeline
         return f"python -m {spec.name.removesuffix('.__main__')}"
     return os.path.basename(sys.argv[0])
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter /proc gives process `pid` (R, S, T for stopped, Z, ...); None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

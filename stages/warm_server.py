@@ -43,6 +43,11 @@ DEFAULT_IDLE_S = 30.0
 
 def serve(listener_fd: int) -> Callable[[], None]:
     """The server's life. Returns only in a fork, with the command that fork is to run."""
+    # Listening again makes this process the one the kernel names to each client that connects
+    # (SO_PEERCRED), so a client waiting for the imports can see whether the server is stopped.
+    relisten = socket.socket(fileno=listener_fd)
+    relisten.listen(16)
+    relisten.detach()
     problem = preload()
     startup_path = list(sys.path)
     os.chdir("/")  # holds no folder of a project (a test's tmpfs can be unmounted under it)

@@ -280,6 +280,28 @@ def test_a_stopped_server_takes_no_new_command_and_lets_the_running_one_end(serv
     assert not alive(server)
 
 
+def test_a_frozen_server_is_passed_over_within_seconds(served):
+    """A server stopped by SIGSTOP (a debugger, a job control mistake) would never answer: a new
+    command sees it stopped, says so under MNIST_PIPELINE_DEBUG and runs in its own process, not
+    after START_TIMEOUT_S in silence."""
+    project = served
+    env = warm_env(project, MNIST_PIPELINE_WARM_IDLE_S="120")
+    command = ["mnist-pipeline", "train", "--mode", "single", "--params", "missing.yaml"]
+    first = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 1 and "running in this process" not in first.stderr, first.stderr
+    (server,) = servers_for(project)
+    os.kill(server, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        other = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=120)
+        took = time.monotonic() - started
+    finally:
+        os.kill(server, signal.SIGCONT)
+    assert other.returncode == 1 and "missing.yaml: not found" in other.stderr, other.stderr
+    assert f"running in this process: the warm server (process {server}) is stopped" in other.stderr, other.stderr
+    assert took < 60  # a cold start of the command, not the server's START_TIMEOUT_S
+
+
 def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
     project = served
     env = warm_env(project, MNIST_PIPELINE_WARM_IDLE_S="3")
