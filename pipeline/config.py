@@ -270,6 +270,12 @@ def missing_keys(raw: dict) -> list[str]:
 def load_config(path: str | Path = "params.yaml") -> Config:
     """Read and validate params.yaml, which must hold every knob; every stage takes its settings
     from here."""
+    return read_config(path)[0]
+
+
+def read_config(path: str | Path = "params.yaml") -> tuple[Config, str]:
+    """load_config's settings, with the text they were read from (one read: a run records what
+    it was configured with, even if the file changes under it)."""
     path = Path(path)
     try:
         text = path.read_text()
@@ -288,7 +294,7 @@ def load_config(path: str | Path = "params.yaml") -> Config:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ConfigError(f"{path}: missing key '{missing[0]}'{more} (a truncated file?); params.yaml must "
                           f"hold every knob: restore it from git or add the key")
-    return config
+    return config, text
 
 
 def flatten(config: Config) -> dict[str, Any]:

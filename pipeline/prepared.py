@@ -88,7 +88,7 @@ def check_as_prepared(data_dir: Path, name: str, split: Split, stats: dict) -> N
     """`split` holds what `prepare` wrote and described in stats.json: its class counts and, from
     stats written since the digest was added, its bytes."""
     described = stats.get("splits", {}).get(name, {})
-    counts = torch.bincount(split.labels, minlength=NUM_CLASSES).tolist() if len(split.labels) else []
+    counts = torch.bincount(split.labels, minlength=NUM_CLASSES).tolist()
     changed = None
     if described.get("class_counts") is not None and counts != described["class_counts"]:
         changed = f"its class counts are {counts}, {STATS_FILE} says {described['class_counts']}"

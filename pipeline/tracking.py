@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from pipeline import tracking_helper
+from pipeline.atomic import in_the_way
 from pipeline.config import MODES, TrackingConfig, load_config
 from pipeline.errors import PipelineError
 from pipeline.lifecycle import stop_signals_unwind
@@ -243,14 +244,11 @@ def check_store(uri: str) -> None:
     try:
         _use_wal(path)
         _can_write(path)
-    except sqlite3.OperationalError as exc:
-        if "locked" in str(exc):
+    except sqlite3.Error as exc:
+        if isinstance(exc, sqlite3.OperationalError) and "locked" in str(exc):
             raise PipelineError(
                 f"tracking store {uri}: another process has held {path} locked for over {SQLITE_BUSY_S} s (an open "
                 "write transaction: a `sqlite3` shell, a backup, another tool); end it, then run again") from None
-        raise PipelineError(f"tracking store {uri}: {path} is not a usable SQLite database ({exc}); move it away "
-                            "to start a new store, or point MLFLOW_TRACKING_URI at another one") from None
-    except sqlite3.Error as exc:
         raise PipelineError(f"tracking store {uri}: {path} is not a usable SQLite database ({exc}); move it away "
                             "to start a new store, or point MLFLOW_TRACKING_URI at another one") from None
 
@@ -258,10 +256,8 @@ def check_store(uri: str) -> None:
 def check_artifact_folder(folder: Path) -> None:
     """The default store's artifact folder is a folder this process can write into, or can be
     made: found before training, not as an 'outage' once it is over."""
-    existing = next((p for p in (folder, *folder.parents) if p.exists() or p.is_symlink()), None)
-    if existing is not None and not existing.is_dir():
-        raise PipelineError(f"{folder}: a file is in the way of the MLflow artifact folder ({existing} is not a "
-                            "folder); move it away, or set MLFLOW_TRACKING_URI to another store")
+    in_the_way(folder)
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)  # a folder, then
     if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
         why = "Read-only file system" if os.statvfs(existing).f_flag & os.ST_RDONLY else "Permission denied"
         raise PipelineError(f"{folder}: the MLflow artifact folder cannot be written ({existing}: {why}); fix "

@@ -20,7 +20,7 @@ import torch
 from pipeline import checkpoint, forkserver, lockfile, outbox, parallel, tracking
 from pipeline.atomic import in_the_way, save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, UNFINISHED_FILE, resume_state, trajectory
-from pipeline.config import MODES, Config, flatten, load_config
+from pipeline.config import MODES, Config, flatten, load_config, read_config
 from pipeline.determinism import use_deterministic_algorithms
 from pipeline.precision import float32_means_float32
 from pipeline.errors import PipelineError
@@ -307,11 +307,7 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
     mode = stage_mode() if from_stage else mode
     if mode is None:
         raise click.UsageError("say which mode to train: --mode single, dp or ddp")
-    config, params_text = load_config(params_path), None
-    try:
-        params_text = Path(params_path).read_text()  # what a run records, and checked at the end
-    except OSError as exc:
-        raise PipelineError(f"{params_path}: cannot be read ({exc.strerror})") from None
+    config, params_text = read_config(params_path)  # the text: what the run records, checked at the end
     if parallel.under_torchrun():  # a worker: the launcher (this command, torchrun or a scheduler) decided
         if parallel.rank_from_env().is_main:
             check_output_folders(mode)
@@ -329,7 +325,7 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
         (model_dir(mode) / UNFINISHED_FILE).unlink()  # only now: every output is in place
 
 
-def params_unchanged(path: Path, text: str | None, config: Config) -> None:
+def params_unchanged(path: Path, text: str, config: Config) -> None:
     """The params file still says what this training read at its start. DVC records the params it
     finds after the stage, so an edit saved during the training would put settings into dvc.lock
     that never trained: the stage fails instead, and DVC records nothing."""
