@@ -17,8 +17,9 @@ from pipeline.parallel import Rank, all_gather_objects, broadcast_object
 
 CHECKPOINT_FILE = "checkpoint.pt"
 MODEL_FILE = "model.pt"
-# Written when the `train` command starts a training, removed once its outputs are complete: if it
-# is there, that training was interrupted (a failure, a kill, a lost machine).
+# Written when the `train` command starts a training, removed by rank 0 as soon as its outputs are
+# complete (before the runs' end is sent, which may fail): if it is there, that training was
+# interrupted (a failure, a kill, a lost machine) before it made them.
 UNFINISHED_FILE = "unfinished.json"
 # The settings that shape the trajectory: resuming under other values would not end where an
 # uninterrupted run ends, so it is refused. (nproc may change: DDP sees the same global batches.
@@ -32,11 +33,29 @@ def trajectory(config: TrainConfig, mode: str) -> dict[str, Any]:
     return {"mode": mode, **{key: settings[key] for key in TRAJECTORY_KEYS}}
 
 
+# What the loop saves each epoch: a file without them was written by other code.
+CHECKPOINT_KEYS = ("model", "optimizer", "scheduler", "epoch", "history", "trajectory")
+
+
 def read_checkpoint(path: Path) -> dict[str, Any]:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise PipelineError(f"{path}: unreadable checkpoint ({exc}); delete it and train from scratch") from None
+    if not (isinstance(state, dict) and all(key in state for key in CHECKPOINT_KEYS)):
+        raise PipelineError(f"{path}: not a checkpoint of this pipeline ({_described(state)}); move it away, then "
+                            "train from scratch without --resume")
+    return state
+
+
+def _described(state: Any) -> str:
+    """What a file that is not our checkpoint holds, in a few words."""
+    if isinstance(state, dict) and state and all(isinstance(v, torch.Tensor) for v in state.values()):
+        return f"a bare state_dict of {len(state)} tensors: weights only, no optimizer, schedule or epoch"
+    if isinstance(state, dict):
+        keys = ", ".join(map(str, list(state)[:5])) + (", ..." if len(state) > 5 else "")
+        return f"a dict of {keys or 'nothing'}, without {', '.join(k for k in CHECKPOINT_KEYS if k not in state)}"
+    return f"a {type(state).__name__}, not a dict"
 
 
 def load_checkpoint(path: Path, expected: dict[str, Any]) -> dict[str, Any]:
@@ -110,16 +129,24 @@ def unfinished(out_dir: Path) -> dict | None:
         return {}  # unreadable: an interrupted training of unknown inputs, so never continued
 
 
-def why_not_continue(out_dir: Path, record: dict, expected: dict[str, Any], inputs: str) -> str | None:
-    """None if the interrupted training in `out_dir` can go on and end where an uninterrupted one
-    would; otherwise why not, for the log."""
+def why_not_continue(out_dir: Path, record: dict, expected: dict[str, Any], inputs: str,
+                     settings: dict[str, Any]) -> str | None:
+    """None if the interrupted training in `out_dir` can go on and end with the outputs an
+    uninterrupted one would write; otherwise why not, for the log. `settings`: every setting the
+    stage reads, as `record` (written at the start) holds them: the trajectory's alone would let
+    a changed `train.nproc` or `tracking` setting take outputs made under the old ones."""
     path = out_dir / CHECKPOINT_FILE
     if not path.is_file():
         return "it ended before its first checkpoint"
-    if "inputs" not in record:
-        return f"{out_dir / UNFINISHED_FILE} is unreadable"
+    if "inputs" not in record or not isinstance(record.get("settings"), dict):
+        return f"{out_dir / UNFINISHED_FILE} is unreadable, or from an older version"
     if record["inputs"] != inputs:
         return "the prepared data or the code changed since it started"
+    then = record["settings"]
+    changed = [key for key in sorted(then.keys() | settings.keys()) if then.get(key) != settings.get(key)]
+    if changed:
+        return "its settings changed (" + ", ".join(
+            f"{key}: {then.get(key)!r} -> {settings.get(key)!r}" for key in changed[:4]) + ")"
     try:
         state = read_checkpoint(path)
     except PipelineError as exc:

@@ -23,12 +23,19 @@ Imports nothing heavy: the CLI calls `start` before it loads the stage's module.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 import socket
+import tempfile
+import time
 import traceback
+from contextlib import contextmanager
 from multiprocessing import connection, resource_tracker, util
+from pathlib import Path
+from typing import Iterator
 
 # What the server imports for each command's workers, once (pipeline/preloaded.py says why).
 PRELOAD = {"commcheck": ["pipeline.preloaded", "stages.commcheck"],
@@ -102,17 +109,90 @@ def fork_here() -> None:
     server._forkserver_pid = pid
 
 
-def detach_worker() -> None:
+def detach_worker(registry: Path) -> None:
     """First thing in a worker the server forked, to be what torchrun's agent makes of a worker
     it execs. A session of its own: a Ctrl-C at the terminal, or a signal to the launcher's
     process group, reaches the agent, which passes it on once, not every worker twice. And
     without the launcher's end of the pipe whose closing tells the server the launcher is gone
-    (CPython hands it to every child): with the launcher killed outright the server then exits,
-    and each worker gets the SIGINT torch asks for when its parent dies (PR_SET_PDEATHSIG), so no
-    worker waits forever for a launcher that will never read its result."""
+    (CPython hands it to every child): with the launcher killed outright the server then exits.
+
+    Its parent is the server, so the server's death is this worker's SIGTERM (PR_SET_PDEATHSIG),
+    which unwinds the stage and ends its runs: torch asks for SIGINT, which does nothing where
+    SIGINT is ignored (`dvc repro &` in a script starts every command so). And it writes its pid
+    into the launcher's `registry`: a server killed under its workers (the OOM killer) hides them
+    from the agent, which learns each worker's end from the server, so the launcher kills the
+    ones it finds there (`workers_stopped_on_failure`)."""
+    parent = os.getppid()
     os.setsid()
     server = multiprocessing.forkserver._forkserver
     alive = getattr(server, "_forkserver_alive_fd", None)
     if alive is not None:
         os.close(alive)
         server._forkserver_alive_fd = None
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:  # the server died before the line above: nobody would stop this worker
+        os._exit(1)
+    pid = os.getpid()
+    (registry / str(pid)).write_text(_start_time(pid) or "")
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@contextmanager
+def workers_stopped_on_failure() -> Iterator[Path]:
+    """A folder each worker registers in (`detach_worker`). When the launch fails, every
+    registered worker still running is killed and waited for before the failure goes on, so that
+    none writes outputs or ends runs for a training its launcher has already failed, nor outlives
+    the lock that keeps the next training out."""
+    with tempfile.TemporaryDirectory(prefix="mnist-workers-") as folder:
+        registry = Path(folder)
+        try:
+            yield registry
+        except BaseException:
+            _kill_registered(registry)
+            raise
+
+
+def _kill_registered(registry: Path, patience_s: float = 30.0) -> None:
+    running = {}
+    for entry in registry.iterdir():
+        pid, started = int(entry.name), entry.read_text()
+        if _start_time(pid) == started:  # the same process, not a later one that took its pid
+            running[pid] = started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended meanwhile
+                pass
+    deadline = time.monotonic() + patience_s  # SIGKILL cannot be refused; a disk in trouble can delay it
+    while running and time.monotonic() < deadline:
+        running = {pid: started for pid, started in running.items() if _start_time(pid) == started}
+        time.sleep(0.05)
+
+
+def _start_time(pid: int) -> str | None:
+    """When `pid` started, in clock ticks since boot; None once it has ended (gone, or a zombie)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()  # after the command name, which may hold spaces
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def server_end() -> tuple[int, str] | None:
+    """This process's fork server and how it ended ("was killed by SIGKILL", "exited with code 1"),
+    or None while it runs. It is this process's child: looked at, not reaped."""
+    pid = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    if pid is None:
+        return None
+    try:
+        ended = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return pid, "ended"
+    if ended is None:
+        return None
+    if ended.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
+        return pid, f"was killed by {signal.Signals(ended.si_status).name}"
+    return pid, f"exited with code {ended.si_status}"

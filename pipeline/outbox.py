@@ -191,16 +191,23 @@ def discard(folder: Path, name: str = "*") -> int:
     if folder.is_symlink():  # never what it points to
         folder.unlink()
         return 0
-    left = 0
+    left = unsent(folder, name)
     for path in folder.glob(f"{name}.jsonl") if folder.is_dir() else []:
+        _remove(path)
+    if name == "*" and folder.is_dir():
+        shutil.rmtree(folder)
+    return left
+
+
+def unsent(folder: Path, name: str = "*") -> int:
+    """How many lines an outbox (every rank's, or rank `name`'s) holds unsent, read as lines only."""
+    left = 0
+    for path in folder.glob(f"{name}.jsonl") if folder.is_dir() and not folder.is_symlink() else []:
         try:
             sent = int(path.with_suffix(".sent").read_text())
         except (OSError, ValueError, UnicodeDecodeError):
             sent = 0
         left += max(path.read_bytes().count(b"\n") - sent, 0)
-        _remove(path)
-    if name == "*" and folder.is_dir():
-        shutil.rmtree(folder)
     return left
 
 

@@ -224,6 +224,29 @@ def check_world_size(global_batch: int, world_size: int) -> None:
             f"{global_batch} workers (train.nproc, train.nodes)")
 
 
+# Docker's default /dev/shm. NCCL keeps buffers there for the GPUs of one host that talk through
+# host memory; at several GPUs a container, a /dev/shm this small fails NCCL's first collective with
+# "unhandled system error ... Error while creating shared memory segment".
+DOCKER_DEFAULT_SHM_BYTES = 64 * 2**20
+
+
+def small_shm(local_ranks: int, path: str = "/dev/shm") -> str | None:
+    """A warning, said before NCCL workers start, when `path` is no larger than Docker's default
+    and several ranks share this host; None otherwise (or where it cannot be measured)."""
+    if local_ranks < 2:
+        return None
+    try:
+        stats = os.statvfs(path)
+    except OSError:
+        return None
+    size = stats.f_blocks * stats.f_frsize
+    if size > DOCKER_DEFAULT_SHM_BYTES:
+        return None
+    return (f"{path} holds {size / 2**20:.0f} MiB, no more than a container's default: NCCL between {local_ranks} "
+            "GPUs of one host may fail with 'unhandled system error' when it makes its buffers there; run the "
+            "container with --ipc=host or --shm-size=1g")
+
+
 def ddp_layout(train) -> tuple[int, int]:
     """(workers per node, nodes) of the DDP training that `train` (config.TrainConfig) starts."""
     workers = train.nproc or (1 if train.launcher == "slurm" else default_nproc(train.device))
@@ -383,6 +406,13 @@ def launch_workers(nproc: int, entrypoint: Callable[..., None], args: Sequence[s
     try:
         elastic_launch(config, entrypoint=entrypoint)(*args)
     except ChildFailedError as exc:
+        server = forkserver.server_end()
+        if server is not None:  # every worker's end reads "exit code 255" then, whatever it did
+            pid, how = server
+            raise PipelineError(
+                f"the fork server that started the ddp workers (process {pid}) {how} (the out-of-memory killer, or "
+                "another program), and every worker was stopped with it; see `dmesg` or the system log for why, "
+                "then run again") from None
         failures = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(exc.failures.items()))
         raise PipelineError(f"ddp worker(s) failed: {failures}; see the worker's message above") from None
     except SignalException as exc:

@@ -75,7 +75,7 @@ def tracking_uri() -> str:
     """MLFLOW_TRACKING_URI, else the project's own SQLite file. One with a password in it is
     refused: MLflow and the HTTP client repeat the URI in their errors and logs, which end up in
     rank logs and artifacts."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{project_root() / DEFAULT_DB}"
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or sqlite_uri(project_root() / DEFAULT_DB)
     # A database URL's password has nowhere else to go (MLflow reads the account variables for
     # HTTP stores only): that one is masked wherever it is shown.
     if uri.startswith(("http://", "https://")) and shown(uri) != uri:
@@ -213,8 +213,19 @@ def from_tracking(exc: BaseException) -> bool:
     return module in ("mlflow", "sqlalchemy", "sqlite3", "requests", "urllib3", "alembic")
 
 
+def sqlite_uri(path: Path) -> str:
+    """The SQLAlchemy URL of the SQLite file at `path`. SQLAlchemy reads a raw `?` as the start of
+    a query and decodes `%XX`, so a project in `q?x` would log into a file named `q`: those two
+    are escaped, and nothing else (MLflow makes the folder of the URL's path as written, undecoded,
+    so every other escape would leave an empty folder beside the project: `My%20Projects`)."""
+    return "sqlite:///" + str(path).replace("%", "%25").replace("?", "%3F")
+
+
 def _sqlite_path(uri: str) -> Path | None:
-    return Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    """The file a sqlite:/// URL names, as SQLAlchemy reads it (its query, if any, is not part of it)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return Path(urllib.parse.unquote(uri.removeprefix("sqlite:///").partition("?")[0]))
 
 
 def check_store(uri: str) -> None:

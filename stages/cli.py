@@ -130,6 +130,9 @@ def library_failure(exc: Exception) -> str | None:
                 raise exc
         except PipelineError as translated:
             return f"{rank}{translated} ({DEBUG_ENV}=1 shows the traceback)"
+    text = " ".join(str(exc).split())
+    if "NCCL error" in text or "ncclSystemError" in text or "WorkNCCL" in text:
+        return f"{rank}{nccl_failure(text)} ({DEBUG_ENV}=1 shows the traceback)"
     module = type(exc).__module__
     if module.startswith("torch.distributed") or type(exc).__name__ in ("DistError", "DistStoreError",
                                                                          "DistNetworkError", "RendezvousError"):
@@ -139,6 +142,24 @@ def library_failure(exc: Exception) -> str | None:
                 f"the rendezvous address and port, and that no other program holds the port "
                 f"({DEBUG_ENV}=1 shows the traceback)")
     return None
+
+
+def nccl_failure(text: str) -> str:
+    """NCCL's own failure (torch raises it as DistBackendError, "NCCL error in: FILE:LINE, REASON,
+    NCCL version V", NCCLUtils.hpp; or the watchdog's "WorkNCCL(...) timed out"), with its likely
+    cause: not a rendezvous problem, which is all torch.distributed's other errors can be here."""
+    reason = text.split(", ", 1)[1] if text.startswith("NCCL error in:") and ", " in text else text
+    if "shared memory" in text or "/dev/shm" in text or "unhandled system error" in text:
+        cause = ("most often /dev/shm too small for NCCL's buffers: a container's default is 64 MB (Docker), "
+                 "so run it with --ipc=host or --shm-size=1g")
+    elif "timed out" in text or "Watchdog" in text:
+        cause = ("a collective waited past its timeout: a rank stopped or died first (its own message says why), "
+                 "or the ranks called collectives in different orders")
+    elif "unhandled cuda error" in text:
+        cause = "a CUDA error under NCCL: check the GPUs (nvidia-smi) and that each rank has its own"
+    else:
+        cause = "see NCCL's own reason"
+    return (f"NCCL failed ({reason[:300]}): {cause}; set NCCL_DEBUG=WARN (or INFO) for NCCL's own detail")
 
 
 EPILOG = """\b

@@ -207,6 +207,9 @@ def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Ra
     write_text(run_files / curves.name, curves.read_text())
     example = to_device(Split(data.splits["val"].images[:4], data.splits["val"].labels[:4]),
                         data.mean, data.std, torch.device("cpu")).images
+    # Every output is in place: the training is finished, whatever happens to its runs' end now
+    # (an outage keeps it for send-runs), and is never taken for an interrupted one.
+    (out / UNFINISHED_FILE).unlink(missing_ok=True)
     runs.finish_parent(out / MODEL_FILE, example,
                        [out / CHECKPOINT_FILE, run_files / curves.name, run_files / "params.yaml"])
 
@@ -219,16 +222,25 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
     to be taken for this one's."""
     out = model_dir(mode)
     inputs = checkpoint.inputs_digest(data_dir, CODE_DIRS)
+    settings = stage_settings(config)
     record = checkpoint.unfinished(out)
-    go_on = asked  # --resume: continue whatever is there (the workers check its settings)
-    missing = tracking.missing_runs(config.tracking, read_run_ids(mode)) if (record is not None or asked) else []
+    kept = outbox.unsent(out / tracking.OUTBOX_DIR)
+    if asked and (out / CHECKPOINT_FILE).is_file():  # ours, and of these settings: said before anything changes
+        checkpoint.load_checkpoint(out / CHECKPOINT_FILE, trajectory(config.train, mode))
+    go_on = asked  # --resume: continue whatever is there (the workers check it again, on every node's disk)
+    missing = tracking.missing_runs(config.tracking, read_run_ids(mode)) if (record is not None or asked or kept) else []
+    if record is None and kept and not asked and not missing:  # a fresh start would drop what can still be sent
+        raise PipelineError(
+            f"{out / tracking.OUTBOX_DIR}: {kept} tracking calls of the last training (finished, its outputs saved) "
+            f"were never sent: send them with `mnist-pipeline send-runs --mode {mode}` once the tracking store "
+            f"answers (or drop them with `mnist-pipeline send-runs --mode {mode} --discard`), then run again")
     if asked and missing and (out / CHECKPOINT_FILE).is_file():
         raise PipelineError(
             f"{out / CHECKPOINT_FILE} continues MLflow runs that the tracking store "
             f"{tracking.shown(tracking.tracking_uri())} does not hold ({missing[0]}...): set MLFLOW_TRACKING_URI "
             "back to the store it was trained with, or train afresh without --resume")
     if record is not None and not asked:
-        why_not = checkpoint.why_not_continue(out, record, trajectory(config.train, mode), inputs)
+        why_not = checkpoint.why_not_continue(out, record, trajectory(config.train, mode), inputs, settings)
         if why_not is None and missing:
             why_not = (f"its MLflow runs are not in (or were deleted from) the tracking store "
                        f"{tracking.shown(tracking.tracking_uri())} (was MLFLOW_TRACKING_URI changed?)")
@@ -248,8 +260,16 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
         if dropped:  # said, not silent: they were an earlier training's, for runs now ended
             log.warning("%s: dropped %d tracking calls an earlier training kept in %s for its own runs, which "
                         "were never sent", mode, dropped, out / tracking.OUTBOX_DIR)
-    write_json(out / UNFINISHED_FILE, {"inputs": inputs, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    write_json(out / UNFINISHED_FILE, {"inputs": inputs, "settings": settings,
+                                       "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     return go_on
+
+
+def stage_settings(config: Config) -> dict:
+    """Every setting a training's outputs depend on: the params dvc.yaml gives train@<mode>, which
+    are train's (but the list of modes) and tracking's, as they read back from JSON."""
+    return json.loads(json.dumps({key: value for key, value in flatten(config).items()
+                                  if key.startswith(("train.", "tracking.")) and key != "train.modes"}))
 
 
 def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
@@ -322,7 +342,7 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
         else:
             run_worker(config, params_text, mode, Path(data_dir), resume)
         params_unchanged(Path(params_path), params_text, config)  # else DVC would record what did not train
-        (model_dir(mode) / UNFINISHED_FILE).unlink()  # only now: every output is in place
+        (model_dir(mode) / UNFINISHED_FILE).unlink(missing_ok=True)  # rank 0 removed it, unless on another disk
 
 
 def params_unchanged(path: Path, text: str, config: Config) -> None:

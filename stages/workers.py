@@ -22,9 +22,12 @@ def launch_workers(config: Config, command: list[str]) -> None:
     """Run `mnist-pipeline <command>` as one worker per device, as torchrun would."""
     nproc = config.train.nproc or parallel.default_nproc(config.train.device)
     forkserver.check_socket_path()
+    if parallel.gpus_as_wanted(config.train.device) and (small := parallel.small_shm(nproc)):
+        click.echo(f"{command[0]}: warning: {small}", err=True)  # NCCL's first collective would say less
     click.echo(f"{command[0]}: launching {nproc} workers")
     forkserver.start(command[0])  # the CLI started it already, unless it could not tell it would launch
-    parallel.launch_workers(nproc, run_worker_command, command)
+    with forkserver.workers_stopped_on_failure() as registry:
+        parallel.launch_workers(nproc, run_worker_command, [str(registry), *command])
 
 
 # How long a failing worker stays before it exits. A fork leaves at once (os._exit), where a fresh
@@ -35,14 +38,14 @@ def launch_workers(config: Config, command: list[str]) -> None:
 FAILURE_GRACE_S = 1.0
 
 
-def run_worker_command(*command: str) -> None:
+def run_worker_command(registry: str, *command: str) -> None:
     """A worker's life, in a fork of the fork server (pipeline.forkserver): `mnist-pipeline
     <command>`, as a fresh `python -m stages <command>` would run it under torchrun. It returns on
     success (torchrun's agent waits for each worker's return value) and exits non-zero on failure,
-    having printed why, as the command does."""
+    having printed why, as the command does. `registry`: where the launcher finds its workers."""
     from stages.cli import main
 
-    forkserver.detach_worker()
+    forkserver.detach_worker(Path(registry))
     sys.argv = ["mnist-pipeline", *command]
     try:
         main(list(command), prog_name="mnist-pipeline")
@@ -74,12 +77,27 @@ def gpu_request(config: Config) -> list[str]:
 
 
 def slurm_ready() -> None:
-    """sbatch and the batch script are here (checked before a training changes anything)."""
+    """sbatch and the batch script are here, and Slurm's controller answers (checked before a
+    training changes anything)."""
     if shutil.which("sbatch") is None:
         raise PipelineError("train.launcher is slurm, but sbatch is not on PATH: run this on a Slurm login "
                             "node, or set train.launcher: local")
     if not SBATCH_SCRIPT.is_file():
         raise PipelineError(f"{SBATCH_SCRIPT}: missing; run from the project's root directory")
+    if shutil.which("scontrol") is not None:  # from the same package as sbatch; a site may leave it out
+        try:
+            ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=SLURM_PING_TIMEOUT_S)
+            answer, answered = (ping.stdout + ping.stderr).strip().splitlines()[:1], ping.returncode == 0
+        except subprocess.TimeoutExpired:
+            answer, answered = [f"no answer within {SLURM_PING_TIMEOUT_S} s"], False
+        if not answered:
+            raise PipelineError(
+                f"train.launcher is slurm, but Slurm's controller does not answer (scontrol ping: "
+                f"{answer[0] if answer else 'failed'}); start slurmctld or check SLURM_CONF "
+                f"({os.environ.get('SLURM_CONF', 'unset')}), or set train.launcher: local")
+
+
+SLURM_PING_TIMEOUT_S = 30  # scontrol's own message timeout is 10 s, and it tries a backup controller too
 
 
 def submit_to_slurm(config: Config, command: list[str], log_dir: Path) -> None:

@@ -1,5 +1,9 @@
 """Which device trains: train.device, and a driver too old for this torch's CUDA."""
 
+import os
+import shutil
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -9,6 +13,7 @@ import torch
 from pipeline import parallel
 from pipeline.errors import PipelineError
 from pipeline.parallel import Rank
+from tests.conftest import ROOT, subprocess_env
 
 # c10/cuda/CUDAFunctions.cpp's message, as torch's device count warns it (both parts are checked
 # against the library below, so a torch that words it otherwise fails here first).
@@ -77,3 +82,20 @@ def test_cuda_without_a_gpu_is_an_error_and_auto_is_the_cpu():
     assert parallel.pick_device(Rank(), "auto").type == "cpu"
     with pytest.raises(PipelineError, match="rank 3: train.device is cuda, but no GPU is visible"):
         parallel.pick_device(Rank(rank=3, local_rank=1, world_size=4, local_world_size=2), "cuda")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root to mount a tmpfs")
+@pytest.mark.parametrize("size, warned", [("64m", True), ("1g", False)])
+def test_a_container_sized_dev_shm_is_said_before_nccl_workers_start(size, warned):
+    """A real tmpfs of Docker's default size on /dev/shm, in a mount namespace of its own."""
+    code = "from pipeline.parallel import small_shm; print(small_shm(8)); print(small_shm(1))"
+    done = subprocess.run(["unshare", "--mount", "sh", "-c",
+                           f"mount -t tmpfs -o size={size} tmpfs /dev/shm && exec {sys.executable} -c '{code}'"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    eight, one = done.stdout.splitlines()
+    assert one == "None"  # one rank a host: nothing to share
+    if warned:
+        assert eight.startswith("/dev/shm holds 64 MiB") and "--ipc=host or --shm-size=1g" in eight, eight
+    else:
+        assert eight == "None"

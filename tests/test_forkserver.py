@@ -131,11 +131,11 @@ def test_a_bug_in_a_worker_shows_its_traceback():
     """A worker's uncaught exception (a bug, CUDA running out of memory) is reported as a fresh
     interpreter would report it: torch's worker wrapper only files it for the agent, and the
     agent's own traceback of it is dropped (pipeline.parallel.launch_workers)."""
-    code = ("import multiprocessing\n"
+    code = ("import multiprocessing, tempfile\n"
             "from pipeline import parallel\n"
             "from stages import workers\n"
             "multiprocessing.set_forkserver_preload(['tests.boom_stage'])\n"
-            "parallel.launch_workers(1, workers.run_worker_command, ['boom'])\n")
+            "parallel.launch_workers(1, workers.run_worker_command, [tempfile.mkdtemp(), 'boom'])\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env=subprocess_env(), timeout=300)
     assert done.returncode != 0

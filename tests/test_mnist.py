@@ -131,18 +131,21 @@ def test_prepare_into_an_unwritable_folder_is_a_clear_error(tmp_path, monkeypatc
     import os
 
     if os.geteuid() == 0:
-        # root writes anywhere; a read-only file in the way makes the parent impossible instead
+        # root writes anywhere; a file where a parent folder goes makes the output impossible instead
         (tmp_path / "blocked").write_text("")
         out = tmp_path / "blocked" / "prepared"
+        expected = f"{tmp_path / 'blocked'}: a file is in the way"
     else:
         (tmp_path / "ro").mkdir(mode=0o500)
         out = tmp_path / "ro" / "prepared"
+        expected = "cannot write into"
     folder = write_tiny_mnist(tmp_path / "src")
     params = tmp_path / "params.yaml"
     write_params(params, data={"verify_checksums": False, "val_size": 10})
     monkeypatch.setenv("MNIST_SOURCE", str(folder))
     result = CliRunner().invoke(main, ["prepare", "--params", str(params), "--out", str(out)])
-    assert result.exit_code == 1 and "cannot write into" in result.output and "Traceback" not in result.output
+    assert result.exit_code == 1 and expected in result.output and "Traceback" not in result.output
+    assert not out.exists()
 
 
 def test_the_tests_take_mnist_from_mnist_source_raw_or_gzipped(tmp_path):

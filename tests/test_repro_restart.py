@@ -88,7 +88,7 @@ def test_an_interrupted_training_with_other_settings_starts_afresh(project, rest
     assert crashed.returncode != 0
     params.write_text(text.replace("lr: 0.02\n", "lr: 0.04\n"))
     again = run(["dvc", "repro", "train@single"], project, **env)
-    assert "the training interrupted in models/single cannot go on: its settings changed (lr: 0.03 -> 0.04)" \
+    assert "the training interrupted in models/single cannot go on: its settings changed (train.lr: 0.03 -> 0.04)" \
         in again.stderr, again.stderr[-3000:]
     assert "single epoch 1/2" in again.stderr and "single epoch 2/2" in again.stderr
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")

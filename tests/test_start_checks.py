@@ -102,6 +102,26 @@ def test_a_missing_sbatch_is_found_before_the_disk_changes(project):
     assert_refused_and_untouched(project, "ddp", before, result, "sbatch is not on PATH")
 
 
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="slurm-wlm is missing; `make test` installs it")
+def test_a_slurm_controller_that_does_not_answer_is_found_before_the_disk_changes(project, tmp_path):
+    """sbatch is installed but its controller is down: found before the last checkpoint goes, not
+    once a fresh training removed it. A real `scontrol` against a controller address where nothing
+    listens."""
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(f"ClusterName=down\nSlurmctldHost=node-a(127.0.0.1)\nSlurmctldPort={free_port()}\n"
+                    f"AuthType=auth/munge\nAuthInfo=socket={tmp_path / 'munge.socket'}\n"
+                    "NodeName=node-a NodeAddr=127.0.0.1 CPUs=2 State=UNKNOWN\n"
+                    "PartitionName=main Nodes=node-a Default=YES State=UP\n")
+    before = plant_previous_training(project, "ddp")
+    params = (project / "params.yaml").read_text().replace("launcher: local", "launcher: slurm")
+    params = params.replace("enabled: true\n  experiment", "enabled: false\n  experiment")
+    (project / "slurm.yaml").write_text(params)
+    result = train_cli(project, "ddp", "--params", "slurm.yaml", check=False, SLURM_CONF=str(conf))
+    assert_refused_and_untouched(project, "ddp", before, result, "Slurm's controller does not answer",
+                                 "is DOWN", "SLURM_CONF")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
 @pytest.fixture(scope="module")
 def picky_server(tmp_path_factory):
     """A real `mlflow server` that only answers clients asking for another host name."""
@@ -201,15 +221,54 @@ def test_out_replaces_its_own_folder_and_an_empty_one(project, mnist_dir, tmp_pa
     assert (target / ".made-by-mnist-pipeline").is_file() and (target / "stats.json").is_file()
 
 
-def test_a_training_that_starts_afresh_drops_a_stale_outbox_instead_of_replaying_it(project):
-    out = project / "models/single"
-    (out / "unfinished.json").unlink(missing_ok=True)
+def plant_outbox(out: Path) -> None:
     (out / "tracking-outbox").mkdir(parents=True, exist_ok=True)
     (out / "tracking-outbox/rank-0.jsonl").write_text(
         '{"op":"end","run":"0123456789abcdef0123456789abcdef","status":"FINISHED"}\n')
+
+
+def test_calls_a_finished_training_never_sent_are_not_dropped_by_the_next(project):
+    """The last training finished (no unfinished.json) but its runs' end never reached the store
+    (an outage, a refusal): a fresh start would drop what send-runs can still deliver."""
+    out = project / "models/single"
+    before = plant_previous_training(project, "single")
+    plant_outbox(out)
+    before = digests(out)
+    result = train_cli(project, "single", check=False)
+    assert_refused_and_untouched(project, "single", before, result,
+                                 "models/single/tracking-outbox: 1 tracking calls of the last training",
+                                 "`mnist-pipeline send-runs --mode single`", "--discard")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    run(["mnist-pipeline", "send-runs", "--mode", "single", "--discard"], project, **project_env(project))
+    train_cli(project, "single")  # the way on works
+
+
+def test_an_interrupted_training_that_starts_afresh_drops_its_outbox_saying_so(project):
+    """Its runs end FAILED, so what it kept for them is not replayed into the new training's."""
+    out = project / "models/single"
+    plant_outbox(out)
+    (out / "checkpoint.pt").unlink(missing_ok=True)
+    (out / "unfinished.json").write_text('{"inputs": "an earlier one", "settings": {}}')
     result = train_cli(project, "single")
     assert "single: dropped 1 tracking calls an earlier training kept in models/single/tracking-outbox" in result.stderr
     assert not (out / "tracking-outbox").exists() and "tracking server unreachable" not in result.stderr
+
+
+@pytest.mark.parametrize("changed", [{"eval_batch_size": 250}, {"nproc": 1}])
+def test_an_interrupted_training_goes_on_only_under_every_setting_it_started_with(project, changed):
+    """Not only the trajectory's: a setting that changes any output (the world size in the
+    results, the evaluation batch) starts the training afresh instead of taking the old outputs."""
+    crashed = train_cli(project, "single", check=False, MNIST_PIPELINE_CRASH_AFTER_EPOCH="1")
+    assert crashed.returncode != 0 and (project / "models/single/unfinished.json").is_file(), crashed.stderr[-2000:]
+    other = project / "other.yaml"
+    settings = yaml.safe_load((project / "params.yaml").read_text())
+    settings["train"].update(changed)
+    other.write_text(yaml.safe_dump(settings))
+    again = train_cli(project, "single", "--params", str(other))
+    [(key, value)] = changed.items()
+    assert "cannot go on: its settings changed (train." + key in again.stderr, again.stderr[-2000:]
+    assert f"-> {value!r}" in again.stderr and "single epoch 1/2" in again.stderr
+    assert not (project / "models/single/unfinished.json").exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root to mount a read-only folder")
@@ -302,6 +361,33 @@ def test_a_rendezvous_error_reaches_the_user_as_one_line_naming_the_rank():
     assert "\n" not in message and "MNIST_PIPELINE_DEBUG=1" in message
 
 
+# As NCCLUtils.hpp's C10D_NCCL_CHECK words it (torch 2.14), for the failure a container without
+# --ipc=host meets at 8 ranks: NCCL cannot make its shared-memory segment in a 64 MB /dev/shm.
+NCCL_SHM_FAILURE = (
+    "NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3690, unhandled system error "
+    "(run with NCCL_DEBUG=INFO for details), NCCL version 2.27.7\nncclSystemError: System call (e.g. socket, "
+    "malloc) or external library call failed or device error. \nLast error:\nError while creating shared memory "
+    "segment /dev/shm/nccl-Yc3QmB (size 9637888)")
+
+
+def test_an_nccl_failure_is_named_as_one_with_its_likely_cause():
+    """torch raises NCCL's failures as DistBackendError, from torch.distributed like a rendezvous
+    error: they must not read "could not reach the other ranks"."""
+    from torch.distributed import DistBackendError
+
+    from stages.cli import library_failure
+
+    os.environ["RANK"] = "5"
+    try:
+        message = library_failure(DistBackendError(NCCL_SHM_FAILURE))
+    finally:
+        os.environ.pop("RANK")
+    assert message.startswith("rank 5: NCCL failed (unhandled system error"), message
+    assert "/dev/shm" in message and "--ipc=host" in message and "--shm-size" in message, message
+    assert "NCCL_DEBUG=WARN" in message and "could not reach the other ranks" not in message
+    assert "\n" not in message
+
+
 def test_a_setting_only_ddp_cannot_use_fails_the_first_mode(project):
     """With ddp in train.modes, train@single refuses a global batch smaller than DDP's ranks: found
     in seconds, not after single and dp have trained."""
@@ -312,3 +398,24 @@ def test_a_setting_only_ddp_cannot_use_fails_the_first_mode(project):
     result = train_cli(project, "single", "--params", "params-tiny-batch.yaml", check=False)
     assert_refused_and_untouched(project, "single", before, result,
                                  "ddp (in train.modes): train.batch_size = 2 is smaller than the 3 DDP ranks")
+
+
+@pytest.mark.parametrize("content, said", [
+    ("weights", "a bare state_dict of 2 tensors: weights only, no optimizer, schedule or epoch"),
+    ("lightning", "a dict of state_dict, epoch, global_step, without model, optimizer, scheduler, history, trajectory"),
+])
+def test_a_checkpoint_written_by_other_code_is_said_so(project, content, said):
+    """Not "the settings changed since the checkpoint": it never had ours."""
+    import torch
+
+    out = project / "models/single"
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {"fc.weight": torch.zeros(2, 2), "fc.bias": torch.zeros(2)}
+    torch.save(weights if content == "weights" else {"state_dict": weights, "epoch": 3, "global_step": 30},
+               out / "checkpoint.pt")
+    before = digests(out)
+    result = train_cli(project, "single", "--resume", check=False)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"models/single/checkpoint.pt: not a checkpoint of this pipeline ({said}); move it away" in result.stderr
+    assert "settings changed" not in result.stderr and "Traceback" not in result.stderr
+    assert digests(out) == before

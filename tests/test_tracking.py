@@ -189,3 +189,35 @@ def test_a_registered_model_name_mlflow_would_refuse_is_refused_before_training(
     result = run(["mnist-pipeline", "train", "--mode", "single", "--params", str(params)], tmp_path, check=False,
                  **project_env(ROOT))
     assert result.returncode == 1 and "tracking.registered_model" in result.stderr and "team/mnist" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["q?x", "p%41", "h#sh", "with space", "ünï"])
+def test_the_store_url_names_the_project_file_as_sqlalchemy_reads_it(tmp_path, name):
+    from sqlalchemy.engine import make_url
+
+    from pipeline.tracking import sqlite_uri
+
+    path = tmp_path / name / "mlflow.db"
+    assert make_url(sqlite_uri(path)).database == str(path)
+
+
+def test_a_project_in_a_folder_with_url_characters_logs_into_its_own_store(tmp_path, mnist_dir):
+    """A raw `?` in the SQLite URL starts a query and `%41` decodes: the runs went into a file
+    beside the project, and the training exited 0."""
+    project = project_with(tmp_path, mnist_dir, "q?x %41 #h ünï", train={"epochs": 1})
+    run(["mnist-pipeline", "train", "--mode", "single"], project, **project_env(project))
+    # Nothing logged beside it. MLflow 3 makes the folder its URL names as written, undecoded
+    # (store/db/utils.py: _make_parent_dirs_if_sqlite): that one stays empty.
+    beside = [p for p in tmp_path.iterdir() if p.name != "q?x %41 #h ünï"]
+    assert [p.name for p in beside] in ([], ["q%3Fx %2541 #h ünï"]) and all(not list(p.iterdir()) for p in beside)
+    uri = f"sqlite:///{project / 'mlflow.db'}".replace("%", "%25").replace("?", "%3F")
+    client = MlflowClient(uri)
+    parent, [child] = runs_of(client, project, "single")
+    assert parent.info.status == child.info.status == "FINISHED"
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {"params.yaml", "checkpoint.pt"}
+    artifacts = project / "mlartifacts" / parent.info.run_id / "artifacts"
+    assert (artifacts / "params.yaml").is_file()  # in the project's own artifact folder
+    mlflow.set_tracking_uri(uri)
+    logged = load_model(f"runs:/{parent.info.run_id}/model")
+    saved = torch.load(project / "models/single/model.pt", weights_only=True)["state_dict"]
+    assert all(torch.equal(logged.state_dict()[k], saved[k]) for k in saved)

@@ -147,6 +147,8 @@ def test_a_server_that_never_comes_back_fails_the_stage_clearly_and_send_runs_co
     assert "did not take this training's tracking within tracking.outage_wait_s = 3 s" in output
     assert "`mnist-pipeline send-runs --mode single`" in output and "Traceback" not in output
     assert (project / "models/single/model.pt").is_file()  # training's outputs are saved
+    # ...so it is finished, and never taken for an interrupted one (a `dvc commit` would cache that)
+    assert not (project / "models/single/unfinished.json").exists()
     parent = json.loads((project / "models/single/mlflow_run.json").read_text())["parent"]
     store = MlflowClient(f"sqlite:///{tmp_path / 'server/server.db'}")  # the server's own file, read while it is down
     assert store.get_run(parent).info.status == "RUNNING"
