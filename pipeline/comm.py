@@ -201,11 +201,17 @@ def measure(primitive: str, rank: Rank, per_rank_bytes: int, device, warmup: int
     its check of one more operation from fresh inputs. The timed operations reuse their buffers as
     nccl-tests does: an all_reduce multiplies its values by the world size each time, and may reach
     float32's infinity (which costs what any value costs), so the check runs on fresh inputs. A
-    barrier before the timer, as nccl-tests has, keeps one rank's late start out of the others' time."""
+    barrier before the timer, as nccl-tests has, keeps one rank's late start out of the others' time.
+    Also the seconds of the first warm-up call (0 without warm-up): a primitive's first-call cost."""
     case = make_case(primitive, rank, max(1, per_rank_bytes // ELEMENT_BYTES), device)
     case.setup()
-    for _ in range(warmup):
+    first_call = 0.0
+    for index in range(warmup):
+        started = time.perf_counter()
         case.run()
+        if index == 0:  # NCCL connects and loads its kernels lazily, on a primitive's first call
+            _sync(device)
+            first_call = time.perf_counter() - started
     dist.barrier()
     _sync(device)
     started = time.perf_counter()
@@ -216,7 +222,7 @@ def measure(primitive: str, rank: Rank, per_rank_bytes: int, device, warmup: int
     case.setup()
     case.run()
     _sync(device)
-    return seconds, case.check()
+    return seconds, case.check(), first_call
 
 
 def checkable(world_size: int) -> tuple[str, ...]:
@@ -229,9 +235,11 @@ def sweep(rank: Rank, device, config, reach: dict[str, int] | None = None) -> di
 
     With `config.budget_s`, a primitive's sizes stop growing when the next one would overrun its
     share of the budget, except below `reach[primitive]` bytes (all_reduce up to the gradients DDP
-    sends: the size the scaling model needs measured)."""
+    sends: the size the scaling model needs measured). The share leaves out each primitive's first
+    call (`first_calls`): NCCL sets up its connections and loads its kernels then, which on GPUs
+    could use up a share before the sizes whose bandwidth matters."""
     reach = reach or {}
-    timings, failures = [], {}
+    timings, failures, first_calls = [], {}, {}
     primitives = checkable(rank.world_size)
     with_payload = [p for p in primitives if p != "barrier"]
     share = config.budget_s / len(with_payload)
@@ -241,8 +249,11 @@ def sweep(rank: Rank, device, config, reach: dict[str, int] | None = None) -> di
         spent, previous = 0.0, None
         for i, size in enumerate(swept):
             started = time.perf_counter()
-            seconds, mismatch = measure(primitive, rank, size, device, config.warmup, config.iters)
+            seconds, mismatch, first_call = measure(primitive, rank, size, device, config.warmup, config.iters)
             took = time.perf_counter() - started
+            if i == 0:  # the primitive's setup, once: reported apart, and no part of the sizes' budget
+                first_calls[primitive] = first_call
+                took -= first_call
             spent += took
             timings.append({"primitive": primitive, "bytes": size, "seconds": seconds})
             if mismatch and primitive not in failures:
@@ -256,7 +267,7 @@ def sweep(rank: Rank, device, config, reach: dict[str, int] | None = None) -> di
             if config.budget_s and i + 1 < len(swept) and size >= reach.get(primitive, 0) and \
                     slowest(spent + took * growth, device) > share:
                 break
-    return {"rank": rank.rank, "timings": timings, "failures": failures}
+    return {"rank": rank.rank, "timings": timings, "failures": failures, "first_calls": first_calls}
 
 
 def slowest(seconds: float, device) -> float:

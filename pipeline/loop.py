@@ -294,15 +294,15 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
             probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
             label_smoothing=config.label_smoothing)
-        train_time = time.perf_counter() - started - probe.overhead_s
+        train_wall = time.perf_counter() - started
 
         rank_samples = sum(shares)
         rank_loss = loss_sum.item() / max(1, rank_samples)
         # Steady state: the steps after the warm-up (cuDNN/cuBLAS handles, algorithm choice, lazy
         # kernel loading, DDP's bucket rebuild), which on a fast GPU dominate a short epoch.
-        steady_time = probe.clock.seconds_since_step(config.throughput_warmup_steps)
-        if steady_time is not None and probe.traced and probe.first + probe.measured >= config.throughput_warmup_steps:
-            steady_time -= probe.overhead_s  # the profiler's own start, stop and export ran in it
+        steady_wall = probe.clock.seconds_since_step(config.throughput_warmup_steps)
+        # The profiler's own start, stop and export ran in the steady steps, unless before them.
+        steady_traced = probe.traced and probe.first + probe.measured >= config.throughput_warmup_steps
         steady_samples = sum(shares[config.throughput_warmup_steps:])
         # Each step's loss sum rides along in the epoch's one all_reduce: the loss curve of the
         # global batches (loss_windows), the same in every mode.
@@ -318,10 +318,13 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             breakdown["timeline"] = timeline(probe.trace_file, rank.rank)
         # One exchange per epoch: every rank's times, its step breakdown, and its weights' checksum
         # to prove they agree.
-        train_times, epoch_times, steady_times, checksums, breakdowns = zip(*all_gather_objects(
-            (train_time, epoch_time, steady_time, weight_checksum(model), breakdown), rank))
+        walls, overheads, steady_walls, epoch_times, checksums, breakdowns = zip(*all_gather_objects(
+            (train_wall, probe.overhead_s, steady_wall, epoch_time, weight_checksum(model), breakdown), rank))
         if len(set(checksums)) > 1:
             raise RuntimeError(f"ranks out of sync after epoch {epoch + 1}: weight checksums per rank {checksums}")
+        waited = probe.traced and probe.first + probe.measured + probe.traced < steps
+        train_times, steady_times = without_profiler(walls, overheads, steady_walls, steady_traced, waited)
+        train_time = train_times[rank.rank]
         slowest = max(train_times)  # the slowest rank sets the pace of a synchronous step
         metrics = {
             "epoch": epoch + 1,
@@ -375,6 +378,19 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             hook(metrics, rank_metrics)
         crash_if_asked(epoch + 1)
     return model, history
+
+
+def without_profiler(walls: tuple[float, ...], overheads: tuple[float, ...], steady_walls: tuple[float | None, ...],
+                     steady_traced: bool, waited: bool) -> tuple[list[float], list[float | None]]:
+    """Every rank's training time, and steady time, without the profiler's own work (its start,
+    stop and export). `waited`: a later step of the epoch all-reduced after it, and a rank whose
+    work was quicker waited there for the slowest, so its wall time holds the largest overhead of
+    any rank, not its own: that one comes off every rank's time (each rank's own left the slowest
+    rank's overhead, less the quickest's, in max(train_time)). `steady_traced`: the profiler ran
+    within the steady steps."""
+    own = [max(overheads) if waited else overhead for overhead in overheads]
+    return ([wall - off for wall, off in zip(walls, own)],
+            [None if wall is None else wall - (off if steady_traced else 0.0) for wall, off in zip(steady_walls, own)])
 
 
 def crash_if_asked(epoch: int) -> None:

@@ -102,3 +102,49 @@ def test_ddp_ranks_measure_their_buckets_and_trace_at_an_odd_world_size(tmp_path
         lanes = {bar["lane"] for bar in ranks[r]["timeline"]}
         names = {bar["name"] for bar in ranks[r]["timeline"]}
         assert lanes == {"phases", "collectives"} and {"forward", "backward", "gloo:all_reduce"} <= names
+
+
+EXPORT_DELAY_S = 6.0  # rank 1's trace export, slowed: a first CUPTI start on a GPU costs up to 1 s
+
+
+def _train_with_a_slow_profiler(r: int, world: int, out: str) -> None:
+    import time
+
+    from pipeline import breakdown
+    from pipeline.loop import Training, train
+    from pipeline.parallel import Rank
+
+    export = breakdown.export_trace
+    if r == 1:
+        def slow_export(*args, **kwargs):
+            time.sleep(EXPORT_DELAY_S)
+            return export(*args, **kwargs)
+
+        breakdown.export_trace = slow_export
+    # 12 steps: warm-up 2, window 4, trace 2, then 4 more whose all-reduce waits for rank 1.
+    config = dataclasses.replace(train_config(60), breakdown_steps=4, trace_steps=2, throughput_warmup_steps=2)
+    _, history = train(Training(config, "ddp", Rank(r, r, world, world), torch.device("cpu"), rank_dir(Path(out), r)),
+                       learnable_data(60 * 12), learnable_data(30, seed=1))
+    (Path(out) / f"times-{r}.json").write_text(json.dumps({k: history[-1][k] for k in
+                                                            ("train_time_s", "steady_time_s", "epoch_time_s")}))
+
+
+def test_one_rank_s_slow_profiler_stays_out_of_ddp_s_training_time(tmp_path):
+    """Rank 0 is done with the profiler first and waits for rank 1 at the next step's all-reduce:
+    that wait is profiler time too, so the epoch's training time must not hold it."""
+    run_ranks(2, _train_with_a_slow_profiler, str(tmp_path))
+    times = [json.loads((tmp_path / f"times-{r}.json").read_text()) for r in range(2)]
+    assert times[0] == times[1]  # one figure for the epoch, on every rank
+    # The epoch's wall time holds the slow export; the training time and the steady time must not.
+    assert times[0]["epoch_time_s"] - times[0]["train_time_s"] >= 0.9 * EXPORT_DELAY_S, times[0]
+    assert times[0]["epoch_time_s"] - times[0]["steady_time_s"] >= 0.9 * EXPORT_DELAY_S, times[0]
+
+
+def test_profiler_time_comes_off_each_rank_as_the_ranks_waited_for_it():
+    from pipeline.loop import without_profiler
+
+    walls, overheads, steady = (10.0, 10.0), (1.0, 3.0), (8.0, 8.0)
+    assert without_profiler(walls, overheads, steady, steady_traced=True, waited=True) == ([7.0, 7.0], [5.0, 5.0])
+    # The profiler's work was the epoch's last: nobody waited for anybody within it.
+    assert without_profiler(walls, overheads, steady, steady_traced=True, waited=False) == ([9.0, 7.0], [7.0, 5.0])
+    assert without_profiler(walls, overheads, (None, None), steady_traced=False, waited=True)[1] == [None, None]

@@ -1,6 +1,7 @@
 """`mnist-pipeline commcheck`: every primitive checked with closed-form values and timed."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -50,6 +51,7 @@ def test_every_primitive_passes_and_is_recorded(project, nproc):
     assert verdict == {"enabled": True, "passed": True, "world_size": nproc, "backend": "gloo", "device": "cpu",
                        "devices": [report["devices"][0]] * nproc, "primitives": list(PRIMITIVES)}
     assert report["devices"][0].startswith("cpu (")
+    assert all(report["primitives"][p]["first_call_us"] > 0 for p in PRIMITIVES)
 
 
 def test_a_time_budget_stops_every_rank_at_the_same_size(project):
@@ -229,3 +231,57 @@ def test_a_batch_ddp_cannot_split_fails_before_any_training(project):
                  **project_env(project))
     assert result.returncode == 1 and "launching" not in result.stdout
     assert "ddp (in train.modes): train.batch_size = 2 is smaller than the 3 DDP ranks" in result.stderr
+
+
+FIRST_CALL_S = 0.4  # what NCCL's lazy connection setup costs a primitive's first call, here slept
+
+
+def _sweep_with_costly_first_calls(r: int, world: int, out: str) -> None:
+    """Each primitive's first call pays a setup, as NCCL's does on GPUs (lazy connections and
+    kernels, the default since NCCL 2.22): slept here on every rank, on the call itself."""
+    import dataclasses
+    import time
+
+    from pipeline import comm
+    from pipeline.config import CommcheckConfig
+    from pipeline.parallel import Rank
+
+    make_case, seen = comm.make_case, set()
+
+    def with_setup(primitive, *args):
+        case = make_case(primitive, *args)
+        if primitive in seen:
+            return case
+        seen.add(primitive)
+        run, calls = case.run, []
+
+        def first_pays():
+            if not calls:
+                time.sleep(FIRST_CALL_S)
+            calls.append(1)
+            run()
+
+        return dataclasses.replace(case, run=first_pays)
+
+    comm.make_case = with_setup
+    # A share of 0.3 s a primitive: less than one first call, ample for every size without it.
+    config = CommcheckConfig(max_bytes=4096, iters=3, warmup=1, budget_s=0.3 * (len(comm.PRIMITIVES) - 1))
+    result = comm.sweep(Rank(r, r, world, world), torch.device("cpu"), config)
+    (Path(out) / f"sweep-{r}.json").write_text(json.dumps(result))
+
+
+def test_a_costly_first_call_is_reported_apart_and_spends_no_budget(tmp_path):
+    from tests.ddp_harness import run_ranks
+
+    run_ranks(2, _sweep_with_costly_first_calls, str(tmp_path))
+    for r in range(2):
+        result = json.loads((tmp_path / f"sweep-{r}.json").read_text())
+        assert set(result["first_calls"]) == set(PRIMITIVES)
+        assert all(seconds >= FIRST_CALL_S for seconds in result["first_calls"].values()), result["first_calls"]
+        largest = {}
+        for timing in result["timings"]:
+            largest[timing["primitive"]] = max(largest.get(timing["primitive"], 0), timing["bytes"])
+        # The setup used up no primitive's share: each went on past its first size (with the setup
+        # counted, none would have, its share being smaller than the setup).
+        assert all(largest[p] > 4 for p in PRIMITIVES if p != "barrier"), largest
+        assert all(t["seconds"] < FIRST_CALL_S for t in result["timings"])  # nor is it in any timing
