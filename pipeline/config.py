@@ -79,6 +79,9 @@ class TrainConfig:
     launcher: str = field(default="local", metadata=_rule(lambda v: v in LAUNCHERS, f"one of {LAUNCHERS}"))
     # slurm: the nodes the ddp job asks for.
     nodes: int = field(default=1, metadata=_at_least(1))
+    # slurm: CPU cores the job asks for per worker (sbatch --cpus-per-task = this x workers a node):
+    # without it a site that gives a job one core unless asked puts every worker on that core.
+    cpus_per_rank: int = field(default=4, metadata=_at_least(1))
     # auto: the GPUs when there are any, else the CPU. cuda: GPUs or a clear error (a Slurm job asks
     # for them); cpu: the CPU even where GPUs are.
     device: str = field(default="auto", metadata=_rule(lambda v: v in DEVICES, f"one of {DEVICES}"))

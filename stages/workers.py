@@ -76,6 +76,13 @@ def gpu_request(config: Config) -> list[str]:
     return ["--gpus-per-node", str(config.train.nproc)]
 
 
+def cpu_request(config: Config) -> list[str]:
+    """sbatch's CPU request: train.cpus_per_rank for each worker of a node, all in the node's one
+    task (it runs torchrun, which starts the workers). A GPU request alone gets the site's default
+    CPUs, often one per job or per GPU, on which 8 workers would take turns."""
+    return ["--cpus-per-task", str(config.train.cpus_per_rank * (config.train.nproc or 1))]
+
+
 def slurm_ready() -> None:
     """sbatch and the batch script are here, and Slurm's controller answers (checked before a
     training changes anything)."""
@@ -112,7 +119,7 @@ def submit_to_slurm(config: Config, command: list[str], log_dir: Path) -> None:
     output = log_dir / "slurm-%j.out"
     click.echo(f"{command[0]}: submitting to Slurm ({config.train.nodes} node(s)), waiting; log: {output}")
     sbatch = ["sbatch", "--wait", "--parsable", "--nodes", str(config.train.nodes), "--output", str(output),
-              *gpu_request(config), str(SBATCH_SCRIPT), *command]
+              *gpu_request(config), *cpu_request(config), str(SBATCH_SCRIPT), *command]
     done = subprocess.run(sbatch, env=env, stdout=subprocess.PIPE, text=True)
     job = done.stdout.strip().split(";")[0]
     if done.returncode != 0:

@@ -141,6 +141,15 @@ def test_the_trainjob_meets_pod_security_restricted_with_limits_and_a_versioned_
     assert "useradd --create-home --uid 1000" in (ROOT / "Dockerfile").read_text()
 
 
+def test_the_trainjob_asks_for_the_cpus_of_its_workers_as_the_slurm_job_does():
+    """train.cpus_per_rank for each worker a node, the same request `sbatch --cpus-per-task` makes."""
+    trainer = manifests()["TrainJob"]["spec"]["trainer"]
+    per_rank = yaml.safe_load((ROOT / "params.yaml").read_text())["train"]["cpus_per_rank"]
+    requested = int(trainer["resourcesPerNode"]["requests"]["cpu"])
+    assert requested == per_rank * trainer["numProcPerNode"]
+    assert int(trainer["resourcesPerNode"]["limits"]["cpu"]) >= requested
+
+
 def test_the_restricted_check_catches_what_the_profile_forbids():
     pod = copy.deepcopy(patched_pod(manifests()["TrainJob"]))
     pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] = True

@@ -383,7 +383,7 @@ def test_dvc_repro_submits_ddp_to_slurm_and_waits(hosts, slurm, tracking_server,
     deploy/slurm/train.sbatch with `sbatch --wait` over both hosts, in this shared directory, and
     so does commcheck before it."""
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "launcher": "slurm",
-                                                                  "nodes": 2, "nproc": 1}})
+                                                                  "nodes": 2, "nproc": 1, "cpus_per_rank": 1}})
     env = {**slurm, **project_env(project, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=tracking_server,
                                   MNIST_SOURCE=str(mnist_dir), **CREDENTIALS)}
     proc = hosts[0].run(["dvc", "repro", "train@ddp"], cwd=project, env=env, timeout=TWO_NODE_TIMEOUT_S)
@@ -392,7 +392,8 @@ def test_dvc_repro_submits_ddp_to_slurm_and_waits(hosts, slurm, tracking_server,
     assert "submitting to Slurm (2 node(s))" in proc.stdout and "finished" in proc.stdout
     (job_log,) = logs
     assert "2 node(s) x 1 worker(s), rendezvous node-a" in job_log.read_text()
-    assert "GPUs per node: none asked for" in job_log.read_text()  # train.device: auto asks for none
+    # train.device: auto asks for no GPU; train.cpus_per_rank for each worker
+    assert "GPUs per node: none asked for, CPUs per node: 1" in job_log.read_text()
 
     summary = json.loads((project / "results/train/ddp.json").read_text())
     assert (summary["nodes"], summary["procs_per_node"]) == (2, 1)
@@ -415,7 +416,7 @@ def test_an_interrupted_slurm_training_continues_on_the_next_repro(hosts, slurm,
     next `dvc repro` submits a new job that continues: epoch 2 only, in the same MLflow runs, to
     the weights of a training never interrupted."""
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "launcher": "slurm",
-                                                                  "nodes": 2, "nproc": 1}})
+                                                                  "nodes": 2, "nproc": 1, "cpus_per_rank": 1}})
     env = {**slurm, **project_env(project, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=tracking_server,
                                   MNIST_SOURCE=str(mnist_dir), **CREDENTIALS)}
     crashed = hosts[0].run(["dvc", "repro", "train@ddp"], cwd=project, timeout=TWO_NODE_TIMEOUT_S,
@@ -449,7 +450,7 @@ def test_a_gpu_training_asks_slurm_for_its_gpus_and_fails_clearly_where_none_is_
     fails at once, naming train.device, instead of training on the CPU."""
     project = make_project(tmp_path / "proj", {**SMALL, "tracking": {"enabled": False},
                                                "train": {**SMALL["train"], "launcher": "slurm", "nodes": 1,
-                                                         "nproc": 1, "device": "cuda"}})
+                                                         "nproc": 1, "device": "cuda", "cpus_per_rank": 2}})
     env = {**slurm, **project_env(project, MNIST_SOURCE=str(mnist_dir))}
     assert hosts[0].run(["mnist-pipeline", "prepare"], cwd=project, env=env, timeout=300).returncode == 0
     proc = hosts[0].run(["mnist-pipeline", "train", "--mode", "ddp"], cwd=project, env=env,
@@ -457,5 +458,5 @@ def test_a_gpu_training_asks_slurm_for_its_gpus_and_fails_clearly_where_none_is_
     (job_log,) = sorted((project / "models/ddp/logs").glob("slurm-*.out"))
     log = job_log.read_text()
     assert proc.returncode != 0 and "Slurm job" in proc.stderr, proc.stderr[-3000:]
-    assert "GPUs per node: 1" in log, log[-3000:]
+    assert "GPUs per node: 1, CPUs per node: 2" in log, log[-3000:]  # CPUs too: train.cpus_per_rank x nproc
     assert "train.device is cuda, but no GPU is visible" in log, log[-3000:]
