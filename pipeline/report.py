@@ -31,6 +31,16 @@ class ModeResult:
         return 1
 
     @property
+    def speedup_bound(self) -> int | None:
+        """The largest speed-up over single the hardware allows: the devices for GPUs, the usable
+        cores (of every node) for CPU ranks, which also sped single's intra-op threads; None where
+        an older results file does not say its cores."""
+        if self.train["device"] != "cpu":
+            return self.devices
+        cores = self.train.get("cpu_cores")
+        return cores * (self.train.get("nodes", 1) if self.mode == "ddp" else 1) if cores else None
+
+    @property
     def bare_dp(self) -> bool:
         return self.mode == "dp" and self.train["device"] == "cpu"
 
@@ -69,6 +79,7 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
             "speedup_from": key,
             "speedup": speedup,
             "scaling_efficiency": speedup / r.devices if speedup is not None else None,
+            "impossible": impossible(r.mode, speedup, r.speedup_bound, r.train["device"]),
             "train_time_s": r.train["train_time_s"],
             "test_accuracy": r.eval["accuracy"],
             "test_loss": r.eval.get("loss"),  # older results lack these
@@ -76,6 +87,16 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
             "val_loss": r.train.get("val_loss"),
         })
     return rows
+
+
+def impossible(mode: str, speedup: float | None, bound: int | None, device: str) -> str | None:
+    """Why `mode`'s speed-up cannot be what the hardware gave, or None: above the bound, the
+    baseline (single) was slowed by something else (another job, a busy host), not `mode` sped up."""
+    if speedup is None or bound is None or speedup <= bound:
+        return None
+    what = f"{bound} core(s)" if device == "cpu" else f"{bound} device(s)"
+    return (f"{mode}'s speed-up of {speedup:.2f}x is more than its {what} allow: the single-device baseline was "
+            "probably slowed by other work on the host; run the pipeline again on a quiet machine")
 
 
 def modes_csv(results: list[ModeResult], curve: str, columns: tuple[str, ...]) -> str:
@@ -143,6 +164,9 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
         "Every mode trains on the same global batches; DDP deals each one out to its ranks in shares that "
         "differ by at most one sample, DataParallel splits it over its GPUs with torch.chunk.",
     ]
+    for row in rows:
+        if row["impossible"]:
+            lines += ["", f"**Not a measurement of the mode:** {row['impossible']}."]
     if any(r.bare_dp for r in results):
         lines += ["", "**DataParallel ran on a CPU-only host**, where it has no GPUs to split the batch "
                       "over: it trained the bare module, so its numbers are the single-device numbers "

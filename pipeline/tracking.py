@@ -1004,15 +1004,16 @@ def fail_unfinished(config: TrackingConfig, ids: dict) -> None:
 
 
 def log_to_mode_run(config: TrackingConfig, ids: dict, metrics: dict[str, float], artifacts: Iterable[Path],
-                    artifact_dir: str | None = None, datasets: tuple[Path, Iterable[str]] | None = None) -> None:
-    """Add a later stage's numbers, files and the splits it read (`(data_dir, splits)`) to the
-    parent run a training made (see mlflow_run.json)."""
+                    artifact_dir: str | None = None, datasets: tuple[Path, Iterable[str]] | None = None,
+                    tags: dict[str, str] | None = None) -> None:
+    """Add a later stage's numbers, tags, files and the splits it read (`(data_dir, splits)`) to
+    the parent run a training made (see mlflow_run.json)."""
     if not config.enabled or not ids:
         return
     metrics = {key: value for key, value in metrics.items() if isinstance(value, (int, float))}
     if tracking_helper.call("log_to_mode_run", config=dataclasses.asdict(config), ids=ids, metrics=metrics,
                             artifacts=[str(path) for path in artifacts], artifact_dir=artifact_dir,
-                            datasets=datasets and (str(datasets[0]), list(datasets[1]))) \
+                            datasets=datasets and (str(datasets[0]), list(datasets[1])), tags=tags) \
             is not tracking_helper.NOT_SENT:
         return
     from mlflow import MlflowClient
@@ -1021,6 +1022,8 @@ def log_to_mode_run(config: TrackingConfig, ids: dict, metrics: dict[str, float]
     with store_errors(uri, f"logging to run {ids['parent']}"):
         client = MlflowClient(uri)  # in here: it opens the store (a SQL store checks its schema)
         client.log_batch(ids["parent"], metrics=_metric_batch(_numeric(metrics, step=0)))
+        for key, value in (tags or {}).items():
+            client.set_tag(ids["parent"], key, value)
         if datasets is not None:
             client.log_inputs(ids["parent"], datasets=_dataset_inputs(*datasets))
         for path in artifacts:

@@ -71,9 +71,13 @@ def compare(params_path: str, out: str) -> None:
                    "steady_samples_per_s": row["steady_samples_per_s"],
                    **explain.run_figures(breakdowns[row["mode"]], scaling["predictions"][row["mode"]])}
         tracking.log_to_mode_run(config.tracking, mode_ids[row["mode"]],
-                                 {key: value for key, value in summary.items() if value is not None}, [])
+                                 {key: value for key, value in summary.items() if value is not None}, [],
+                                 tags={"speedup_warning": row["impossible"]} if row["impossible"] else None)
     tracking.log_compare_run(config.tracking, mode_ids, files)
     click.echo(console_table(rows))
+    for row in rows:
+        if row["impossible"]:
+            click.echo(f"compare: warning: {row['impossible']}", err=True)
     click.echo(f"compare: the full table and its plots in {Path(out) / 'comparison.md'}; "
                f"the numbers DVC compares in {METRICS_DIR}/ (dvc metrics show, make show)")
     tracked = [ids for ids in mode_ids.values() if ids]

@@ -56,6 +56,8 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
         "backend": parallel.backend_for(device) if mode == "ddp" else None,
         "device": device.type,
         "device_name": parallel.device_name(device),
+        # The cores this process could use: on a CPU, what no speed-up can exceed (per node).
+        "cpu_cores": parallel.available_cpus(),
         # DataParallel splits each batch over this many devices; 1 on a CPU-only host (bare module).
         "dp_devices": parallel.dp_device_count(device) if mode == "dp" else None,
         "epochs": len(history),

@@ -90,3 +90,21 @@ def test_loss_windows_are_means_over_the_global_batches():
     windows = loss_windows(sums, lens, first_step=101)
     assert len(windows) == 15 and windows[0] == [103, 2.0] and windows[-1][0] == 145
     assert windows[-1][1] == (2.0 * 20 + 1.0 * 4) / 24
+
+
+def test_a_speedup_the_hardware_cannot_give_is_flagged_in_the_table_and_its_row():
+    """As seen during a queued sweep on 2 cores: single slowed by another job, ddp '6.72x'."""
+    results = [result("single", 500.0, cpu_cores=2),
+               result("ddp", 3360.0, world_size=2, nodes=1, procs_per_node=2, cpu_cores=2),
+               result("dp", 900.0, cpu_cores=2)]
+    rows = {r["mode"]: r for r in comparison_rows(results)}
+    assert rows["ddp"]["impossible"].startswith("ddp's speed-up of 6.72x is more than its 2 core(s) allow")
+    assert rows["dp"]["impossible"] is None and rows["single"]["impossible"] is None  # 1.8x: within 2 cores
+    assert "**Not a measurement of the mode:** ddp's speed-up of 6.72x" in markdown(list(rows.values()), results)
+    # On GPUs the bound is the devices: 8 ranks may give 7.9x, never 9x.
+    gpu = [result("single", 1000.0, device="cuda"),
+           result("ddp", 7900.0, device="cuda", world_size=8), result("ddp", 9000.0, device="cuda", world_size=8)]
+    assert [r["impossible"] is not None for r in comparison_rows(gpu)] == [False, False, True]
+    assert "8 device(s)" in comparison_rows(gpu)[2]["impossible"]
+    # Results from before the cores were recorded: no bound, no claim.
+    assert all(r["impossible"] is None for r in comparison_rows([result("single", 100.0), result("ddp", 900.0)]))

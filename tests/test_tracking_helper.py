@@ -34,10 +34,11 @@ def test_the_helper_logs_what_the_stage_would(store, tmp_path):
     client, ids = store
     report = tmp_path / "report.md"
     report.write_text("# report\n")
-    tracking.log_to_mode_run(TrackingConfig(), ids, {"test_accuracy": 0.99, "per_rank": [1, 2]}, [report], "evaluation")
+    tracking.log_to_mode_run(TrackingConfig(), ids, {"test_accuracy": 0.99, "per_rank": [1, 2]}, [report], "evaluation",
+                             tags={"speedup_warning": "too fast"})
     assert tracking_helper._running is not None  # it was the helper's call
     run = client.get_run(ids["parent"])
-    assert run.data.metrics == {"test_accuracy": 0.99}
+    assert run.data.metrics == {"test_accuracy": 0.99} and run.data.tags["speedup_warning"] == "too fast"
     assert [a.path for a in client.list_artifacts(ids["parent"], "evaluation")] == ["evaluation/report.md"]
     compare_id = tracking.log_compare_run(TrackingConfig(), {"single": ids, "dp": {}}, [report])
     compared = client.get_run(compare_id)
@@ -61,10 +62,11 @@ def test_with_the_helper_gone_the_stage_logs_itself(store, caplog):
     client, ids = store
     tracking_helper._running._proc.kill()
     tracking_helper._running._proc.wait()
-    tracking.log_to_mode_run(TrackingConfig(), ids, {"test_loss": 0.1}, [])
+    tracking.log_to_mode_run(TrackingConfig(), ids, {"test_loss": 0.1}, [], tags={"speedup_warning": "in process"})
     assert "tracking helper process ended" in caplog.text
     assert tracking_helper._running is None
     assert client.get_run(ids["parent"]).data.metrics == {"test_loss": 0.1}
+    assert client.get_run(ids["parent"]).data.tags["speedup_warning"] == "in process"
 
 
 def test_a_store_the_helper_cannot_open_is_the_stages_one_line_error(tmp_path, monkeypatch):
