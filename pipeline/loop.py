@@ -280,8 +280,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
     memory_devices = list(range(dp_device_count(device))) if run.mode == "dp" else [device.index]
     show_bar = rank.is_main and sys.stderr.isatty()
     for epoch in range(start_epoch, config.epochs):
-        # Reseeded per epoch and rank, so dropout after a resume draws what it would have drawn.
-        torch.manual_seed(config.seed + 10_000 * (epoch + 1) + rank.rank)
+        seed_dropout(config.seed, epoch, rank.rank, memory_devices if run.mode == "dp" else [])
         order = epoch_order(len(train_split), epoch, config.seed).to(device)
         if device.type == "cuda":
             for index in memory_devices:
@@ -378,6 +377,18 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             hook(metrics, rank_metrics)
         crash_if_asked(epoch + 1)
     return model, history
+
+
+def seed_dropout(seed: int, epoch: int, rank: int, dp_gpus: list[int]) -> None:
+    """Seeds each epoch's random draws (dropout) per epoch, so that a resumed training draws what
+    it would have drawn, and per rank, so that DDP's ranks drop different units of their different
+    samples. DataParallel's replicas draw from their own GPU's generator, which torch.manual_seed
+    seeds alike on every GPU: each of `dp_gpus` gets a stream of its own too. (The initial weights
+    come from `build`'s seed, the same everywhere.)"""
+    base = seed + 10_000 * (epoch + 1) + rank
+    torch.manual_seed(base)
+    for index in dp_gpus[1:]:  # GPU 0 keeps the base seed, as a single-GPU training's
+        torch.cuda.default_generators[index].manual_seed(base + 1_000_003 * index)
 
 
 def without_profiler(walls: tuple[float, ...], overheads: tuple[float, ...], steady_walls: tuple[float | None, ...],

@@ -49,6 +49,20 @@ def test_bf16_inside_every_dataparallel_replica():
     assert {dtype for _, dtype in seen} == {torch.bfloat16}
 
 
+def test_dataparallel_replicas_draw_dropout_masks_of_their_own():
+    """torch.manual_seed seeds every GPU's generator alike: without a stream each, every replica
+    would drop the same units of its different samples."""
+    from pipeline.loop import seed_dropout
+
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        pytest.skip("DataParallel needs two GPUs to have two replicas")
+    replicated = nn.DataParallel(nn.Dropout(0.5).cuda())
+    seed_dropout(42, epoch=0, rank=0, dp_gpus=list(range(gpus)))
+    masks = replicated(torch.ones(4 * gpus, 1024, device="cuda")).ne(0).chunk(gpus)
+    assert all(not torch.equal(masks[0], other) for other in masks[1:])
+
+
 def test_bf16_only_where_native():
     native = torch.cuda.is_bf16_supported(including_emulation=False)
     assert autocast_dtype(torch.device("cuda", 0), bf16=True) == (torch.bfloat16 if native else None)

@@ -1,6 +1,8 @@
 """The three modes train the same function of the same batches: a test, not a hope."""
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ import torch
 from pipeline.loop import epoch_order, global_batches, rank_share, steps_per_epoch
 from pipeline.parallel import Rank
 from tests.conftest import SMALL, load_weights, max_abs_diff, relative_difference, train_cli
+from tests.ddp_harness import train_config
 
 
 def test_ddp_shards_are_the_single_batches():
@@ -159,3 +162,22 @@ def test_steady_throughput_is_measured_after_the_warm_up(tmp_path):
     epoch = history[0]
     assert 0 < epoch["steady_time_s"] < epoch["train_time_s"]
     assert epoch["steady_samples_per_s"] == pytest.approx(56 / epoch["steady_time_s"])  # 7 of 10 steps of 8
+
+
+def _dropout_masks(r: int, world: int, out: str) -> None:
+    """What each rank's dropout draws in an epoch, as the loop seeds it."""
+    from pipeline.loop import build, seed_dropout
+
+    model, _, _ = build(dataclasses.replace(train_config(8), model="classic"), 10, torch.device("cpu"))
+    seed_dropout(42, epoch=0, rank=r, dp_gpus=[])
+    mask = torch.nn.functional.dropout(torch.ones(64, 128), 0.5).ne(0)
+    torch.save({"weights": model.state_dict(), "mask": mask}, Path(out) / f"rank-{r}.pt")
+
+
+def test_ddp_ranks_start_from_the_same_weights_and_drop_different_units(tmp_path):
+    from tests.ddp_harness import run_ranks
+
+    run_ranks(2, _dropout_masks, str(tmp_path))
+    first, second = (torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in range(2))
+    assert all(torch.equal(first["weights"][k], second["weights"][k]) for k in first["weights"])
+    assert not torch.equal(first["mask"], second["mask"])
