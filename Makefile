@@ -60,7 +60,8 @@ gpu-check: install
 ui: install
 	@$(BIN)/python -c "from pipeline.tracking import print_ui_link; print_ui_link()"
 	MLFLOW_DISABLE_TELEMETRY=$${MLFLOW_DISABLE_TELEMETRY:-true} \
-	  mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri sqlite:///$(CURDIR)/mlflow.db
+	  mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri \
+	  "$$($(BIN)/python -c 'from pathlib import Path; from pipeline.tracking import sqlite_uri; print(sqlite_uri(Path.cwd() / "mlflow.db"))')"
 
 clean:
 	rm -rf data/prepared data/raw models metrics results plots reports checks dvc_plots

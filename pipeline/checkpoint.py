@@ -4,7 +4,6 @@ the same run, and the record that tells an interrupted training from a finished 
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -14,13 +13,10 @@ import torch
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.parallel import Rank, all_gather_objects, broadcast_object
+from pipeline.unfinished import UNFINISHED_FILE
 
 CHECKPOINT_FILE = "checkpoint.pt"
 MODEL_FILE = "model.pt"
-# Written when the `train` command starts a training, removed by rank 0 as soon as its outputs are
-# complete (before the runs' end is sent, which may fail): if it is there, that training was
-# interrupted (a failure, a kill, a lost machine) before it made them.
-UNFINISHED_FILE = "unfinished.json"
 # The settings that shape the trajectory: resuming under other values would not end where an
 # uninterrupted run ends, so it is refused. (nproc may change: DDP sees the same global batches.
 # bf16 changes every step's rounding; deterministic decides whether the bits repeat at all.)
@@ -118,15 +114,6 @@ def inputs_digest(data_dir: Path, code_dirs: list[Path]) -> str:
         digest.update(f"{path.parent.name}/{path.name}\0".encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()
-
-
-def unfinished(out_dir: Path) -> dict | None:
-    """The record of an interrupted training in `out_dir`, or None if the last one finished."""
-    path = out_dir / UNFINISHED_FILE
-    try:
-        return json.loads(path.read_text()) if path.is_file() else None
-    except (OSError, ValueError):
-        return {}  # unreadable: an interrupted training of unknown inputs, so never continued
 
 
 def why_not_continue(out_dir: Path, record: dict, expected: dict[str, Any], inputs: str,

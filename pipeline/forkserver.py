@@ -29,6 +29,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -122,22 +123,26 @@ def detach_worker(registry: Path) -> None:
     into the launcher's `registry`: a server killed under its workers (the OOM killer) hides them
     from the agent, which learns each worker's end from the server, so the launcher kills the
     ones it finds there (`workers_stopped_on_failure`)."""
-    parent = os.getppid()
+    server_file = registry / SERVER_FILE
+    parent = int(server_file.read_text()) if server_file.is_file() else os.getppid()
     os.setsid()
     server = multiprocessing.forkserver._forkserver
     alive = getattr(server, "_forkserver_alive_fd", None)
     if alive is not None:
         os.close(alive)
         server._forkserver_alive_fd = None
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM) != 0:
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, ctypes.c_ulong(signal.SIGTERM)) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
     if os.getppid() != parent:  # the server died before the line above: nobody would stop this worker
         os._exit(1)
+    # From here a stop signal unwinds the command, as the stage's own handler (lifecycle) will.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     pid = os.getpid()
     (registry / str(pid)).write_text(_start_time(pid) or "")
 
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+SERVER_FILE = "server"  # in the registry: the fork server's pid, each worker's parent
 
 
 @contextmanager
@@ -148,6 +153,9 @@ def workers_stopped_on_failure() -> Iterator[Path]:
     the lock that keeps the next training out."""
     with tempfile.TemporaryDirectory(prefix="mnist-workers-") as folder:
         registry = Path(folder)
+        server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+        if server is not None:  # what a worker checks its parent against, however early the server died
+            (registry / SERVER_FILE).write_text(str(server))
         try:
             yield registry
         except BaseException:
@@ -158,6 +166,8 @@ def workers_stopped_on_failure() -> Iterator[Path]:
 def _kill_registered(registry: Path, patience_s: float = 30.0) -> None:
     running = {}
     for entry in registry.iterdir():
+        if entry.name == SERVER_FILE:
+            continue
         pid, started = int(entry.name), entry.read_text()
         if _start_time(pid) == started:  # the same process, not a later one that took its pid
             running[pid] = started
@@ -194,5 +204,8 @@ def server_end() -> tuple[int, str] | None:
     if ended is None:
         return None
     if ended.si_code in (os.CLD_KILLED, os.CLD_DUMPED):
-        return pid, f"was killed by {signal.Signals(ended.si_status).name}"
+        try:
+            return pid, f"was killed by {signal.Signals(ended.si_status).name}"
+        except ValueError:  # a real-time signal has no name
+            return pid, f"was killed by signal {ended.si_status}"
     return pid, f"exited with code {ended.si_status}"

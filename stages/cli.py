@@ -149,9 +149,15 @@ def nccl_failure(text: str) -> str:
     NCCL version V", NCCLUtils.hpp; or the watchdog's "WorkNCCL(...) timed out"), with its likely
     cause: not a rendezvous problem, which is all torch.distributed's other errors can be here."""
     reason = text.split(", ", 1)[1] if text.startswith("NCCL error in:") and ", " in text else text
-    if "shared memory" in text or "/dev/shm" in text or "unhandled system error" in text:
-        cause = ("most often /dev/shm too small for NCCL's buffers: a container's default is 64 MB (Docker), "
-                 "so run it with --ipc=host or --shm-size=1g")
+    if "Last error:" in reason:  # NCCL's own words on the call that failed: the useful part
+        head, _, last = reason.partition("Last error:")
+        reason = f"{head.split(' (run with')[0].strip()}: {last.strip()}"
+    if "shared memory" in text or "/dev/shm" in text:
+        cause = ("/dev/shm too small for NCCL's buffers: a container's default is 64 MB (Docker), so run it "
+                 "with --ipc=host or --shm-size=1g")
+    elif "unhandled system error" in text:
+        cause = ("a system call failed: between nodes, most often the network interface NCCL chose (set "
+                 "NCCL_SOCKET_IFNAME) or a firewall; in a container, /dev/shm (--ipc=host)")
     elif "timed out" in text or "Watchdog" in text:
         cause = ("a collective waited past its timeout: a rank stopped or died first (its own message says why), "
                  "or the ranks called collectives in different orders")

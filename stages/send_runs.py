@@ -2,7 +2,7 @@
 
 import click
 
-from pipeline import lockfile, outbox, tracking
+from pipeline import lockfile, outbox, tracking, unfinished
 from pipeline.config import MODES, load_config
 from stages.common import model_dir, params_option
 
@@ -28,7 +28,14 @@ def send_runs(params_path: str, mode: str, uri: str | None, discard: bool) -> No
                        else f"send-runs: {mode}: nothing kept in {folder}")
             return
         sent = tracking.send_kept(folder, uri, load_config(params_path).tracking.registered_model)
-    rejected = sorted(folder.glob("*.rejected")) if folder.is_dir() else []
+        rejected = sorted(folder.glob("*.rejected")) if folder.is_dir() else []
+        record = unfinished.unfinished(model_dir(mode))
+        if sent is not None and not rejected and (record or {}).get(unfinished.OUTPUTS_COMPLETE):
+            # Its outputs and now its runs are complete: a finished training, never one to continue
+            # (`dvc commit` would otherwise cache the record with the outputs).
+            (model_dir(mode) / unfinished.UNFINISHED_FILE).unlink()
+            click.echo(f"send-runs: {mode}: the training's outputs are complete too: `dvc commit train@{mode}` "
+                       "records them")
     click.echo(f"send-runs: {mode}: " + (f"nothing kept in {folder}" if sent is None else
                                           f"sent {sent} kept tracking calls" + (
                                               f"; the lines it could not trust are in {rejected[0].parent}/*.rejected"

@@ -19,7 +19,8 @@ import torch
 
 from pipeline import checkpoint, forkserver, lockfile, outbox, parallel, tracking
 from pipeline.atomic import in_the_way, save_torch, writable_folder, write_json, write_text
-from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, UNFINISHED_FILE, resume_state, trajectory
+from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, resume_state, trajectory
+from pipeline.unfinished import OUTPUTS_COMPLETE, UNFINISHED_FILE, unfinished
 from pipeline.config import MODES, Config, flatten, load_config, read_config
 from pipeline.determinism import use_deterministic_algorithms
 from pipeline.precision import float32_means_float32
@@ -209,11 +210,16 @@ def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Ra
     write_text(run_files / curves.name, curves.read_text())
     example = to_device(Split(data.splits["val"].images[:4], data.splits["val"].labels[:4]),
                         data.mean, data.std, torch.device("cpu")).images
-    # Every output is in place: the training is finished, whatever happens to its runs' end now
-    # (an outage keeps it for send-runs), and is never taken for an interrupted one.
-    (out / UNFINISHED_FILE).unlink(missing_ok=True)
-    runs.finish_parent(out / MODEL_FILE, example,
-                       [out / CHECKPOINT_FILE, run_files / curves.name, run_files / "params.yaml"])
+    # Every output is in place: said in the record, so that what comes next knows the training is
+    # done whatever happens to its runs' end (an outage keeps that for send-runs, which then removes
+    # the record); a `dvc repro` before that writes these files again (DVC deleted them) from the
+    # last checkpoint, and the model went to the run the first time.
+    record = unfinished(out)
+    if record is not None:
+        write_json(out / UNFINISHED_FILE, {**record, OUTPUTS_COMPLETE: True})
+    if not (record or {}).get(OUTPUTS_COMPLETE):
+        runs.finish_parent(out / MODEL_FILE, example,
+                           [out / CHECKPOINT_FILE, run_files / curves.name, run_files / "params.yaml"])
 
 
 def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
@@ -225,7 +231,7 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
     out = model_dir(mode)
     inputs = checkpoint.inputs_digest(data_dir, CODE_DIRS)
     settings = stage_settings(config)
-    record = checkpoint.unfinished(out)
+    record = unfinished(out)
     kept = outbox.unsent(out / tracking.OUTBOX_DIR)
     if asked and (out / CHECKPOINT_FILE).is_file():  # ours, and of these settings: said before anything changes
         checkpoint.load_checkpoint(out / CHECKPOINT_FILE, trajectory(config.train, mode))
@@ -262,16 +268,22 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
         if dropped:  # said, not silent: they were an earlier training's, for runs now ended
             log.warning("%s: dropped %d tracking calls an earlier training kept in %s for its own runs, which "
                         "were never sent", mode, dropped, out / tracking.OUTBOX_DIR)
+    # Going on from a training whose outputs were complete: it still was (write_outputs logs no model again).
+    complete = {OUTPUTS_COMPLETE: True} if go_on and (record or {}).get(OUTPUTS_COMPLETE) else {}
     write_json(out / UNFINISHED_FILE, {"inputs": inputs, "settings": settings,
-                                       "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+                                       "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **complete})
     return go_on
+
+
+# Params of train@<mode> that no output depends on: how long to wait for a server, how often to sample.
+OPERATIONAL = ("train.modes", "tracking.outage_wait_s", "tracking.system_metrics_interval_s")
 
 
 def stage_settings(config: Config) -> dict:
     """Every setting a training's outputs depend on: the params dvc.yaml gives train@<mode>, which
-    are train's (but the list of modes) and tracking's, as they read back from JSON."""
+    are train's and tracking's (but OPERATIONAL), as they read back from JSON."""
     return json.loads(json.dumps({key: value for key, value in flatten(config).items()
-                                  if key.startswith(("train.", "tracking.")) and key != "train.modes"}))
+                                  if key.startswith(("train.", "tracking.")) and key not in OPERATIONAL}))
 
 
 def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
@@ -344,7 +356,7 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
         else:
             run_worker(config, params_text, mode, Path(data_dir), resume)
         params_unchanged(Path(params_path), params_text, config)  # else DVC would record what did not train
-        (model_dir(mode) / UNFINISHED_FILE).unlink(missing_ok=True)  # rank 0 removed it, unless on another disk
+        (model_dir(mode) / UNFINISHED_FILE).unlink()  # only now: every output is in place, every run ended
 
 
 def params_unchanged(path: Path, text: str, config: Config) -> None:

@@ -195,11 +195,11 @@ def test_a_run_deleted_during_training_is_said_so_and_the_way_on_works(project):
     ids = json.loads((out / "mlflow_run.json").read_text())
     for run_id in ids["children"].values():
         assert client.get_run(run_id).info.status == "FAILED"
-    # The training finished (its outputs are saved), so the next one starts afresh, in new runs; what
-    # it kept for the deleted runs cannot be sent, and is dropped, saying so.
-    assert not (out / "unfinished.json").exists()
+    # Same settings, data and code: it would go on, but its runs are gone, so it starts afresh, in
+    # new runs; what it kept for the deleted runs cannot be sent, and is dropped, saying so.
     again = train_cli(project, "single", "--params", "longer.yaml")
-    assert "single: dropped" in again.stderr and "continuing" not in again.stderr, again.stderr[-3000:]
+    assert "were deleted from) the tracking store" in again.stderr and "continuing" not in again.stderr
+    assert "single: dropped" in again.stderr, again.stderr[-3000:]
     assert json.loads((out / "mlflow_run.json").read_text())["parent"] != parent.info.run_id
     assert json.loads((out / "mlflow_run.json").read_text())["parent"] != parent.info.run_id
 

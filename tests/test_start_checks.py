@@ -382,10 +382,16 @@ def test_an_nccl_failure_is_named_as_one_with_its_likely_cause():
         message = library_failure(DistBackendError(NCCL_SHM_FAILURE))
     finally:
         os.environ.pop("RANK")
-    assert message.startswith("rank 5: NCCL failed (unhandled system error"), message
-    assert "/dev/shm" in message and "--ipc=host" in message and "--shm-size" in message, message
+    assert message.startswith("rank 5: NCCL failed (unhandled system error: Error while creating shared memory "
+                              "segment /dev/shm/nccl-Yc3QmB (size 9637888))"), message
+    assert "--ipc=host" in message and "--shm-size" in message, message
     assert "NCCL_DEBUG=WARN" in message and "could not reach the other ranks" not in message
     assert "\n" not in message
+    # NCCL words every failed system call so: a socket between nodes is not blamed on /dev/shm.
+    socket = NCCL_SHM_FAILURE.replace("Error while creating shared memory segment /dev/shm/nccl-Yc3QmB (size 9637888)",
+                                      "socketPollConnect: connect to 10.0.0.2<41234> returned Connection refused")
+    message = library_failure(DistBackendError(socket))
+    assert "Connection refused" in message and "NCCL_SOCKET_IFNAME" in message and "--shm-size" not in message
 
 
 def test_a_setting_only_ddp_cannot_use_fails_the_first_mode(project):

@@ -147,8 +147,9 @@ def test_a_server_that_never_comes_back_fails_the_stage_clearly_and_send_runs_co
     assert "did not take this training's tracking within tracking.outage_wait_s = 3 s" in output
     assert "`mnist-pipeline send-runs --mode single`" in output and "Traceback" not in output
     assert (project / "models/single/model.pt").is_file()  # training's outputs are saved
-    # ...so it is finished, and never taken for an interrupted one (a `dvc commit` would cache that)
-    assert not (project / "models/single/unfinished.json").exists()
+    # ...and the record says so: a `dvc repro` now writes them again without training or logging
+    # the model twice; send-runs removes it (below), so that `dvc commit` caches no record
+    assert json.loads((project / "models/single/unfinished.json").read_text())["outputs_complete"] is True
     parent = json.loads((project / "models/single/mlflow_run.json").read_text())["parent"]
     store = MlflowClient(f"sqlite:///{tmp_path / 'server/server.db'}")  # the server's own file, read while it is down
     assert store.get_run(parent).info.status == "RUNNING"
@@ -160,9 +161,45 @@ def test_a_server_that_never_comes_back_fails_the_stage_clearly_and_send_runs_co
     server.start()
     sent = run(["mnist-pipeline", "send-runs", "--mode", "single"], project, **env)
     assert "kept tracking calls; its runs are complete" in sent.stdout
+    assert "`dvc commit train@single` records them" in sent.stdout
+    assert not (project / "models/single/unfinished.json").exists()  # a finished training now
     try:
         assert_runs_complete(project, server.uri)
     finally:
         server.kill()
     again = run(["mnist-pipeline", "send-runs", "--mode", "single"], project, **env)
     assert "nothing kept" in again.stdout
+
+
+def test_a_repro_after_an_end_that_failed_writes_the_outputs_again_without_training_or_logging_twice(
+        tmp_path, mnist_dir):
+    """`dvc repro` instead of send-runs after the stage failed at its end: DVC deletes the stage's
+    outputs but models/ first, so the training goes on from its last checkpoint. No step trains,
+    the files are written again, the kept calls go, and the run gets its model once."""
+    project, server, training = server_killed_after_epoch_1(tmp_path, mnist_dir, outage_wait_s=3)
+    try:
+        training.finish()
+    finally:
+        training.proc.kill()
+    assert training.proc.returncode == 1
+    results = project / "results/train/single.json"
+    results.unlink()  # as `dvc repro` does before it runs the stage again (not persist)
+    # Time for the model to go this time; how long to wait is no setting the outputs depend on.
+    params = project / "params.yaml"
+    params.write_text(params.read_text().replace("outage_wait_s: 3", "outage_wait_s: 120"))
+    server.start()
+    try:
+        again = run(["mnist-pipeline", "train", "--mode", "single"], project,
+                    **project_env(project, MLFLOW_TRACKING_URI=server.uri))
+        output = again.stdout + again.stderr
+        assert "single: continuing the training interrupted in models/single" in output, output[-3000:]
+        assert "single epoch" not in output  # nothing trained again
+        assert results.is_file() and not (project / "models/single/unfinished.json").exists()
+        assert_runs_complete(project, server.uri)
+        client = MlflowClient(server.uri)
+        parent = json.loads((project / "models/single/mlflow_run.json").read_text())["parent"]
+        experiment = client.get_run(parent).info.experiment_id
+        models = [m for m in client.search_logged_models([experiment]) if m.source_run_id == parent]
+        assert len(models) == 1, [m.model_id for m in models]
+    finally:
+        server.kill()
