@@ -8,7 +8,8 @@ from pathlib import Path
 
 # Written when the `train` command starts a training, removed once it ends well (or, after an end
 # that failed, once send-runs has sent what it kept): if it is there, that training was interrupted
-# (a failure, a kill, a lost machine). OUTPUTS_COMPLETE in it: rank 0 had written every output.
+# (a failure, a kill, a lost machine). OUTPUTS_COMPLETE in it: rank 0 had written every output, and
+# logged the model to the run it names ("" untracked).
 UNFINISHED_FILE = "unfinished.json"
 OUTPUTS_COMPLETE = "outputs_complete"
 

@@ -30,7 +30,7 @@ def send_runs(params_path: str, mode: str, uri: str | None, discard: bool) -> No
         sent = tracking.send_kept(folder, uri, load_config(params_path).tracking.registered_model)
         rejected = sorted(folder.glob("*.rejected")) if folder.is_dir() else []
         record = unfinished.unfinished(model_dir(mode))
-        if sent is not None and not rejected and (record or {}).get(unfinished.OUTPUTS_COMPLETE):
+        if sent is not None and not rejected and unfinished.OUTPUTS_COMPLETE in (record or {}):
             # Its outputs and now its runs are complete: a finished training, never one to continue
             # (`dvc commit` would otherwise cache the record with the outputs).
             (model_dir(mode) / unfinished.UNFINISHED_FILE).unlink()

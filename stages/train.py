@@ -210,14 +210,15 @@ def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Ra
     write_text(run_files / curves.name, curves.read_text())
     example = to_device(Split(data.splits["val"].images[:4], data.splits["val"].labels[:4]),
                         data.mean, data.std, torch.device("cpu")).images
-    # Every output is in place: said in the record, so that what comes next knows the training is
-    # done whatever happens to its runs' end (an outage keeps that for send-runs, which then removes
-    # the record); a `dvc repro` before that writes these files again (DVC deleted them) from the
-    # last checkpoint, and the model went to the run the first time.
+    # Every output is in place: said in the record, with the run the model goes to, so that what
+    # comes next knows the training is done whatever happens to its runs' end (an outage keeps that
+    # for send-runs, which then removes the record). A `dvc repro` before that goes on in the same
+    # run and writes these files again (DVC deleted them); its model went there the first time.
     record = unfinished(out)
+    parent = runs.ids.get("parent", "")
     if record is not None:
-        write_json(out / UNFINISHED_FILE, {**record, OUTPUTS_COMPLETE: True})
-    if not (record or {}).get(OUTPUTS_COMPLETE):
+        write_json(out / UNFINISHED_FILE, {**record, OUTPUTS_COMPLETE: parent})
+    if (record or {}).get(OUTPUTS_COMPLETE, None) != parent or not parent:
         runs.finish_parent(out / MODEL_FILE, example,
                            [out / CHECKPOINT_FILE, run_files / curves.name, run_files / "params.yaml"])
 
@@ -269,7 +270,7 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
             log.warning("%s: dropped %d tracking calls an earlier training kept in %s for its own runs, which "
                         "were never sent", mode, dropped, out / tracking.OUTBOX_DIR)
     # Going on from a training whose outputs were complete: it still was (write_outputs logs no model again).
-    complete = {OUTPUTS_COMPLETE: True} if go_on and (record or {}).get(OUTPUTS_COMPLETE) else {}
+    complete = {OUTPUTS_COMPLETE: record[OUTPUTS_COMPLETE]} if go_on and OUTPUTS_COMPLETE in (record or {}) else {}
     write_json(out / UNFINISHED_FILE, {"inputs": inputs, "settings": settings,
                                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **complete})
     return go_on

@@ -425,3 +425,20 @@ def test_a_checkpoint_written_by_other_code_is_said_so(project, content, said):
     assert f"models/single/checkpoint.pt: not a checkpoint of this pipeline ({said}); move it away" in result.stderr
     assert "settings changed" not in result.stderr and "Traceback" not in result.stderr
     assert digests(out) == before
+
+
+def test_a_record_of_another_training_s_complete_outputs_does_not_keep_this_model_from_its_run(project):
+    """An outer launcher (torchrun, a scheduler) runs the workers without this command's record
+    keeping: a record left by an earlier training names that one's run, so this one's model is
+    still logged to its own."""
+    from mlflow import MlflowClient
+
+    out = project / "models/single"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "unfinished.json").write_text('{"inputs": "x", "settings": {}, "outputs_complete": "0123abcd"}')
+    train_cli(project, "single", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    parent = json.loads((out / "mlflow_run.json").read_text())["parent"]
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    experiment = client.get_run(parent).info.experiment_id
+    assert [m.source_run_id for m in client.search_logged_models([experiment]) if m.source_run_id == parent] == [parent]
+    (out / "unfinished.json").unlink()
