@@ -18,7 +18,6 @@ import os
 import re
 import socket
 import sqlite3
-import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from pipeline import tracking_helper
+from pipeline import record, tracking_helper
 from pipeline.atomic import in_the_way
 from pipeline.config import MODES, TrackingConfig, load_config
 from pipeline.errors import PipelineError
@@ -362,15 +361,18 @@ def check_worker_store(rank: Rank) -> None:
 
 
 def git_facts() -> dict[str, str]:
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    commit = git("rev-parse", "HEAD")
-    dirty = git("status", "--porcelain", "--untracked-files=no")
+    commit = record.git("rev-parse", "HEAD").strip()
+    dirty = record.git("status", "--porcelain", "--untracked-files=no").strip()
     return {"git_commit": commit or "unknown", "git_dirty": str(bool(dirty)).lower() if commit else "unknown"}
+
+
+def _log_uncommitted_change(client, parent_id: str) -> None:
+    """A dirty tree's change, on the parent run, so that the run can still be re-made from its
+    record (`mnist-pipeline reproduce`); the tag says where it is."""
+    patch = record.uncommitted_patch()
+    if patch:
+        client.log_text(parent_id, patch, record.PATCH_ARTIFACT)
+        client.set_tag(parent_id, "git_patch", record.PATCH_ARTIFACT)
 
 
 def _metric_batch(points: Iterable[tuple[str, float, int]]) -> list:
@@ -633,6 +635,8 @@ def _log_model(client, uri: str, op: dict) -> None:
             registered_model_name=registered,
             flavor_name=mlflow.pyfunc._get_pyfunc_model_flavor_name(code),
         )
+    # The weights as logged, by content: what `mnist-pipeline reproduce` compares a re-made run's with.
+    client.set_tag(op["run"], "weights_sha256", record.saved_weights_digest(path))
     if registered:  # the mode names its version: models:/<name>@<mode> is what that mode trained
         version = str(info.registered_model_version)
         client.set_registered_model_alias(registered, op["mode"], version)
@@ -899,6 +903,7 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
                     parent_id = client.create_run(experiment_id, run_name=mode, tags=run_tags).info.run_id
                     made.append(parent_id)
                     client.log_batch(parent_id, params=_as_params(params))
+                    _log_uncommitted_change(client, parent_id)
             shared = (experiment_id, parent_id)
         else:
             shared = None
@@ -910,7 +915,7 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
         if rank.rank in previous:
             child_id = previous[rank.rank]  # reopened by until_done, which also ends it
         else:
-            child_tags = {PARENT_TAG: parent_id, "mode": mode, "rank": str(rank.rank),
+            child_tags = {**tags, **git_facts(), PARENT_TAG: parent_id, "mode": mode, "rank": str(rank.rank),
                           "local_rank": str(rank.local_rank), "world_size": str(rank.world_size),
                           "host": socket.gethostname(), **dvc_experiment_facts()}
             with store_errors(uri, "starting this rank's run"):

@@ -1,5 +1,5 @@
 """`python -m stages`: the CLI, for launchers that start a module (torchrun -m, the DDP workers)."""
 
-from stages.warm import main
+from stages.entry import main
 
 main()

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline import checkpoint, forkserver, lockfile, outbox, parallel, tracking
+from pipeline import checkpoint, forkserver, lockfile, outbox, parallel, record, tracking
 from pipeline.atomic import in_the_way, save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, resume_state, trajectory
 from pipeline.unfinished import OUTPUTS_COMPLETE, UNFINISHED_FILE, unfinished
@@ -165,7 +165,7 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
         # Read once, on rank 0, and sent to all: the loop continues from it, tracking reopens the runs it names.
         state = resume_state(out / CHECKPOINT_FILE, trajectory(config.train, mode), asked=resume,
                              restarted=parallel.restarted_by_torchrun(), rank=rank)
-        facts = run_facts(mode, rank, device, distributed=mode == "ddp")
+        facts = {**run_facts(mode, rank, device, distributed=mode == "ddp"), **record.inputs(params, data_dir)}
         if state is None and not parallel.restarted_by_torchrun():
             # A fresh training (under any launcher): what an earlier one left unsent is not its to replay.
             dropped = outbox.discard(out / tracking.OUTBOX_DIR, f"rank-{rank.rank}")

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline import forkserver, parallel
+from pipeline import forkserver, parallel, record
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 
@@ -137,6 +137,6 @@ def run_facts(mode: str, rank: parallel.Rank, device: torch.device, distributed:
         "backend": parallel.backend_for(device) if distributed else "none",
         "device_type": device.type,
         "device_name": parallel.device_name(device),
-        "torch_version": torch.__version__,
-        "cuda_version": torch.version.cuda or "none",
+        **record.software(),
+        **(record.gpus() if device.type == "cuda" else {}),
     }

@@ -16,8 +16,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
 VENV_BIN = Path(sys.executable).parent
-# What a project copy needs to run its stages: the code and the DVC/params files.
-PROJECT_FILES = ("pipeline", "stages", "deploy", "dvc.yaml", "params.yaml", ".dvcignore", ".gitignore", ".dvc/config", ".dvc/plots")
+# What a project copy needs to run its stages: the code, the DVC/params files and the lock runs record.
+PROJECT_FILES = ("pipeline", "stages", "deploy", "dvc.yaml", "params.yaml", "requirements.lock", ".dvcignore", ".gitignore",
+                 ".dvc/config", ".dvc/plots")
 
 
 def find_mnist(environ: dict[str, str]) -> Path:

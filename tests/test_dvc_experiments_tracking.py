@@ -2,9 +2,14 @@
 queue and with --temp run each stage in a temporary copy that DVC deletes afterwards. Each run
 carries the DVC experiment's name and baseline commit, so `dvc exp show` and MLflow meet."""
 
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 from mlflow import MlflowClient
+
+from pipeline import record
 
 from tests.conftest import SMALL, make_project, project_env, run
 
@@ -15,16 +20,27 @@ def test_queued_and_temp_experiments_land_in_the_projects_store(tmp_path, mnist_
     project = make_project(tmp_path / "proj", ONLY_SINGLE)
     env = project_env(project, MNIST_SOURCE=str(mnist_dir))
     run(["dvc", "repro"], project, **env)
-    run(["git", "add", "-A"], project)
-    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "baseline"], project)
+    commit(project, "baseline")
     baseline = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
     # Each unlike the default (0.02), and each trains the small slice past the quality gate (at
     # 0.03 it does not, and evaluate fails the experiment, as it should).
     experiments = {"lr-high": "0.015", "lr-low": "0.005"}
+    # Each experiment is queued from code of its own (the second after a commit that changes the
+    # code), and the workspace's code, edited after both, would fail any stage that ran it: each
+    # runs the code it was queued with, two at a time, and records that code.
+    queued_from = {}
     try:
         for name, lr in experiments.items():
+            if name == "lr-low":
+                with (project / "pipeline" / "loop.py").open("a") as handle:
+                    handle.write("# a second version of the code\n")
+                commit(project, "the code, second version")
+            queued_from[name] = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
             run(["dvc", "exp", "run", "--queue", "-n", name, "-S", f"train.lr={lr}"], project, **env)
-        run(["dvc", "queue", "start"], project, **env)
+        edited = project / "stages" / "compare.py"
+        committed = edited.read_text()
+        edited.write_text('raise SystemExit("the workspace\'s code ran, not the experiment\'s")\n' + committed)
+        run(["dvc", "queue", "start", "-j", "2"], project, **env)
         deadline = time.monotonic() + 600
         while True:
             status = run(["dvc", "queue", "status"], project, **env).stdout
@@ -35,6 +51,8 @@ def test_queued_and_temp_experiments_land_in_the_projects_store(tmp_path, mnist_
         assert status.count("Success") == 2, status
     finally:
         run(["dvc", "queue", "stop", "--kill"], project, check=False, **env)
+    edited.write_text(committed)
+    head = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
     run(["dvc", "exp", "run", "--temp", "-n", "temp-run", "-S", "train.lr=0.01"], project, **env)
     experiments["temp-run"] = "0.01"
 
@@ -46,7 +64,24 @@ def test_queued_and_temp_experiments_land_in_the_projects_store(tmp_path, mnist_
         assert len(parents) == 1, (name, [r.info.run_name for r in runs])
         parent = parents[0]
         assert parent.info.status == "FINISHED" and parent.data.params["train.lr"] == lr
-        assert parent.data.tags["dvc_baseline_rev"] == baseline
+        assert parent.data.tags["dvc_baseline_rev"] == queued_from.get(name, head)
         assert "test_accuracy" in parent.data.metrics  # evaluate, in the same temporary copy, found it
+        if name in queued_from:
+            assert parent.data.tags["git_commit"] == queued_from[name]
+            assert parent.data.tags["code_sha256"] == code_at(project, queued_from[name]), name
         assert {r.info.run_name for r in runs} >= {"single", "single/rank-0", "compare"}
     assert not list((project / ".dvc").rglob("mlflow.db"))  # nothing went to a temporary copy's store
+
+
+def commit(project: Path, message: str) -> None:
+    run(["git", "add", "-A"], project)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message], project)
+
+
+def code_at(project: Path, commit: str) -> str:
+    """The code digest a run records, of the project's code at `commit`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "archive", commit, "pipeline", "stages"], cwd=project, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        return record.code_digest([Path(tmp) / "pipeline", Path(tmp) / "stages"])

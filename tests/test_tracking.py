@@ -1,8 +1,10 @@
 """MLflow runs per mode and per rank, against a real server and the default SQLite store."""
 
 import json
+import platform
 import signal
 import subprocess
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -10,9 +12,11 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
+from pipeline import record
 from pipeline.model import build_model
 from pipeline.tracking import load_model
-from tests.conftest import SMALL, first_epoch_run, free_port, make_project, project_env, run, subprocess_env
+from tests.conftest import (SMALL, first_epoch_run, free_port, make_project, project_env, run, subprocess_env,
+                            train_cli)
 
 PARENT_METRICS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
 CHILD_METRICS = ("loss", "samples_per_s", "data_time_s", "forward_time_s", "backward_time_s", "optimizer_time_s",
@@ -62,9 +66,27 @@ def check_structure(client, project, mode, world_size, epochs=2):
         # The last epoch's measured step, phase by phase, on the rank's own run.
         assert child.data.metrics["step_step_s"] > 0 and child.data.metrics["step_compute_s"] > 0
     assert all(c == checksums[0] for c in checksums)  # every rank in sync, epoch by epoch
+    check_record(parent, children, project, mode)
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"checkpoint.pt", "params.yaml", f"{mode}.csv"} <= artifacts
     return parent, children
+
+
+def check_record(parent, children, project, mode) -> None:
+    """Every run of the training carries what re-makes it, each digest recomputed here from the
+    project's files; the parent also the weights' digest, recomputed from the saved model."""
+    expected = {"code_sha256": record.code_digest([project / "pipeline", project / "stages"]),
+                "data_sha256": record.files_digest(project / "data" / "prepared"),
+                "requirements_lock_sha256": record.file_digest(project / "requirements.lock"),
+                "params_sha256": record.params_digest(parent.data.params),
+                "python_version": platform.python_version(), "torch_version": torch.__version__,
+                "git_commit": run(["git", "rev-parse", "HEAD"], project).stdout.strip()}
+    for each in (parent, *children):
+        assert {key: each.data.tags.get(key) for key in expected} == expected, each.info.run_name
+        for key in ("cudnn_version", "nccl_version", "cpu_model", "cuda_version"):
+            assert each.data.tags[key]
+    assert ("git_patch" in parent.data.tags) == (parent.data.tags["git_dirty"] == "true")
+    assert parent.data.tags["weights_sha256"] == record.saved_weights_digest(project / "models" / mode / "model.pt")
 
 
 def test_ddp_four_ranks_against_a_real_server(tmp_path, mnist_dir, mlflow_server):
@@ -85,6 +107,23 @@ def test_ddp_four_ranks_against_a_real_server(tmp_path, mnist_dir, mlflow_server
     batch = torch.randn(16, 1, 28, 28)
     with torch.no_grad():
         assert torch.equal(logged.eval()(batch), local.eval()(batch))
+
+
+def test_a_run_from_a_dirty_tree_keeps_its_change(tmp_path, mnist_dir):
+    """The uncommitted change of tracked files goes with the parent run, exactly as `git apply`
+    would re-make it; the code digest is the dirty tree's."""
+    project = project_with(tmp_path, mnist_dir, "dirty")
+    with (project / "stages" / "compare.py").open("a") as handle:
+        handle.write("# an edit not yet committed\n")
+    train_cli(project, "single")
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    parent, children = runs_of(client, project, "single")
+    assert parent.data.tags["git_dirty"] == "true" and parent.data.tags["git_patch"] == record.PATCH_ARTIFACT
+    logged = Path(mlflow.artifacts.download_artifacts(run_id=parent.info.run_id, artifact_path=record.PATCH_ARTIFACT,
+                                                      tracking_uri=f"sqlite:///{project / 'mlflow.db'}"))
+    assert logged.read_text() == run(["git", "diff", "HEAD", "--binary"], project).stdout
+    assert "an edit not yet committed" in logged.read_text()
+    check_record(parent, children, project, "single")
 
 
 @pytest.fixture(scope="module")

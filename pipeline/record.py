@@ -1,0 +1,152 @@
+"""What a run needs to be re-made, and to be checked when it is: the code that ran and its
+uncommitted change, digests of what it read, the software and hardware it ran on, and a digest of
+the weights it made. Every mode's MLflow runs carry these as tags (`record_tags`); `mnist-pipeline
+reproduce` reads them back.
+
+Digests are SHA-256, in hex. Each is taken over content in a fixed order with names, never over a
+file whose bytes carry more than the content (a pickle's memo, a zip's timestamps): the weights'
+digest is over each tensor's name, dtype, shape and bytes, so the same weights saved twice match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+PATCH_ARTIFACT = "source/uncommitted.patch"  # where a dirty tree's change goes on the parent run
+LOCK_FILE = Path("requirements.lock")
+DRIVER_VERSION_FILE = Path("/proc/driver/nvidia/version")  # the NVIDIA kernel module's (in a container too)
+
+
+def sha256(*parts: bytes) -> str:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "little"))  # framed: ("ab", "c") is not ("a", "bc")
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def code_folders() -> list[Path]:
+    """The `pipeline` and `stages` packages this process imported (stages/entry.py chose them)."""
+    import pipeline
+    import stages
+
+    return [Path(pipeline.__file__).parent, Path(stages.__file__).parent]
+
+
+def code_digest(folders: Iterable[Path] | None = None) -> str:
+    """The project's Python code, as the files are now: each file's path within its package's
+    parent, and its bytes."""
+    parts = []
+    for folder in folders if folders is not None else code_folders():
+        for path in sorted(folder.rglob("*.py")):
+            if "__pycache__" not in path.parts:
+                parts += [str(path.relative_to(folder.parent)).encode(), path.read_bytes()]
+    return sha256(*parts)
+
+
+def params_digest(params: Mapping[str, Any]) -> str:
+    """The params a run logged, as MLflow holds them (text), in key order: the run's params page
+    gives the same digest."""
+    return sha256(json.dumps({key: str(value) for key, value in params.items()}, sort_keys=True).encode())
+
+
+def files_digest(folder: Path) -> str:
+    """Every file in `folder` (the prepared data): names and bytes."""
+    parts = []
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        parts += [str(path.relative_to(folder)).encode(), path.read_bytes()]
+    return sha256(*parts)
+
+
+def file_digest(path: Path) -> str:
+    return sha256(path.read_bytes()) if path.is_file() else "none"
+
+
+def weights_digest(state_dict: Mapping[str, Any]) -> str:
+    """The tensors of a state_dict, in name order: name, dtype, shape and raw bytes each."""
+    parts = []
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().cpu().contiguous()
+        parts += [name.encode(), str(tensor.dtype).encode(), repr(tuple(tensor.shape)).encode(), _raw_bytes(tensor)]
+    return sha256(*parts)
+
+
+def _raw_bytes(tensor) -> bytes:
+    import torch
+
+    # Through uint8: numpy has no bfloat16, and a reinterpretation copies nothing it changes.
+    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+
+
+def saved_weights_digest(path: Path) -> str:
+    """The weights' digest of a mode's model.pt (read without unpickling anything)."""
+    import torch
+
+    return weights_digest(torch.load(path, map_location="cpu", weights_only=True)["state_dict"])
+
+
+def git(*args: str, cwd: Path | None = None) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def uncommitted_patch(cwd: Path | None = None) -> str:
+    """The change of the tracked files against the commit (what `git apply` re-makes); empty on a
+    clean tree or outside git. Untracked files are not in it: the code digest tells them apart."""
+    return git("diff", "HEAD", "--binary", "--no-ext-diff", "--no-color", cwd=cwd)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Model")):  # x86; Arm's kernels say Model
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def driver_version() -> str:
+    try:
+        text = DRIVER_VERSION_FILE.read_text()
+    except OSError:
+        return "unknown"
+    words = text.split("Kernel Module", 1)[-1].split()
+    return words[0] if words else "unknown"
+
+
+def software() -> dict[str, str]:
+    """The versions a result depends on; none of these calls initialises a GPU."""
+    import torch
+
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    except (AttributeError, RuntimeError, TypeError):  # a torch built without NCCL
+        nccl = "none"
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {"python_version": platform.python_version(), "torch_version": torch.__version__,
+            "cuda_version": torch.version.cuda or "none", "cudnn_version": str(cudnn or "none"),
+            "nccl_version": nccl, "cpu_model": cpu_model()}
+
+
+def gpus() -> dict[str, str]:
+    """On a CUDA device: the driver and the visible GPUs' names (CUDA is initialised by then)."""
+    import torch
+
+    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"gpu_names": ", ".join(names), "driver_version": driver_version()}
+
+
+def inputs(params: Mapping[str, Any], data_dir: Path) -> dict[str, str]:
+    """The digests of what a training read, as tags on each of its runs (the software and the
+    hardware are in stages.workers.run_facts; the commit and the patch in pipeline.tracking)."""
+    return {"code_sha256": code_digest(), "params_sha256": params_digest(params),
+            "requirements_lock_sha256": file_digest(LOCK_FILE), "data_sha256": files_digest(data_dir)}
