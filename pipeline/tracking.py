@@ -672,18 +672,25 @@ def load_model(model_uri: str):
     whoever can write to the store cannot run code on whoever loads the model."""
     import tempfile
 
+    from pipeline.mlflow_model import build_from_weights
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return build_from_weights(str(download_weights(model_uri, Path(tmp))))
+
+
+def download_weights(model_uri: str, folder: Path) -> Path:
+    """The weights file (a mode's model.pt) of a logged model, downloaded into `folder`."""
     import mlflow
     import yaml
 
-    from pipeline.mlflow_model import WEIGHTS, build_from_weights
+    from pipeline.mlflow_model import WEIGHTS
 
-    with tempfile.TemporaryDirectory() as tmp:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=tmp))
-        flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]
-        weights = (local / flavor["artifacts"][WEIGHTS]["path"]).resolve()
-        if not weights.is_relative_to(local.resolve()):
-            raise PipelineError(f"{model_uri}: its MLmodel points outside the model ({weights}); not loaded")
-        return build_from_weights(str(weights))
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=str(folder)))
+    flavor = yaml.safe_load((local / "MLmodel").read_text())["flavors"]["python_function"]
+    weights = (local / flavor["artifacts"][WEIGHTS]["path"]).resolve()
+    if not weights.is_relative_to(local.resolve()):
+        raise PipelineError(f"{model_uri}: its MLmodel points outside the model ({weights}); not loaded")
+    return weights
 
 
 OPS = ("metrics", "artifact", "model", "end")

@@ -19,7 +19,7 @@ DEBUG_ENV = "MNIST_PIPELINE_DEBUG"  # =1: every error also shows its traceback
 # DVC, a fork of the warm server, which imported them all: stages/warm.py).
 COMMANDS = {"prepare": "stages.prepare", "commcheck": "stages.commcheck", "train": "stages.train",
             "evaluate": "stages.evaluate", "compare": "stages.compare", "send-runs": "stages.send_runs",
-            "rendezvous-check": "stages.rendezvous_check"}
+            "rendezvous-check": "stages.rendezvous_check", "reproduce": "stages.reproduce"}
 
 
 class PipelineGroup(click.Group):

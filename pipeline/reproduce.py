@@ -1,0 +1,251 @@
+"""Re-make a mode's training from its MLflow record alone, and say whether it came out bit for bit.
+
+The record (pipeline.record, on every run) names the commit and keeps a dirty tree's patch; the
+parent run holds the params file the training read and the model it made. A reproduction checks
+out that commit into a temporary folder, applies the patch, puts the params back, checks that the
+code is the code the run recorded, and trains the same mode there with the same command the
+pipeline runs (DDP through its launcher), logging to the same store. The workspace, its outputs and
+models/ are not touched. Its weights' digest is then set against the record's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from pipeline import record, tracking
+from pipeline.config import MODES
+from pipeline.errors import PipelineError
+
+REFUSED, DIFFERS = 2, 1  # exit codes; 0 is bit for bit
+BIT_FOR_BIT = "reproduced bit for bit"
+# What the record says about where and from what a run was made: each one that differs between the
+# run and its reproduction is named in the verdict.
+COMPARED = ("python_version", "torch_version", "cuda_version", "cudnn_version", "nccl_version", "cpu_model",
+            "gpu_names", "driver_version", "device_type", "world_size", "backend", "code_sha256", "params_sha256",
+            "requirements_lock_sha256", "data_sha256")
+PARAMS_ARTIFACT = "params.yaml"  # on the parent run: the params file as the training read it
+PREPARED = Path("data/prepared")  # where `dvc repro` prepares the data and trains from it
+
+
+class Refusal(PipelineError):
+    """What a reproduction cannot start without (exit 2): said in one line."""
+
+
+@dataclass
+class Recorded:
+    """A mode's parent run, as much of it as a reproduction needs."""
+
+    run_id: str
+    mode: str
+    tags: dict[str, str]
+    params: dict[str, str]  # as logged: flattened, and the world size and batch shares besides
+    params_text: str
+    patch: str
+
+
+def read_record(client, run_id: str, uri: str) -> Recorded:
+    """The run's record, or a Refusal that names what is missing."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException as exc:
+        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise Refusal(f"run {run_id}: no such run in the tracking store {tracking.shown(uri)} (is "
+                          "MLFLOW_TRACKING_URI the store it was logged to?)") from None
+        raise
+    tags, name = run.data.tags, run.info.run_name
+    if tracking.PARENT_TAG in tags:
+        parent = tags[tracking.PARENT_TAG]
+        raise Refusal(f"run {run_id} is {name!r}, one rank's run: reproduce the mode's run it belongs to, "
+                      f"`mnist-pipeline reproduce {parent}`")
+    if tags.get("mode") not in MODES or name not in MODES:
+        raise Refusal(f"run {run_id} is {name!r}, not a training: reproduce takes a mode's run "
+                      f"({', '.join(MODES)}), as `mnist-pipeline compare` lists them")
+    if run.info.status != "FINISHED":
+        raise Refusal(f"run {run_id} ({name}) is {run.info.status}: only a finished training can be re-made "
+                      "and compared")
+    if tags.get("git_commit", "unknown") == "unknown":
+        raise Refusal(f"run {run_id} ({name}) records no commit (it was trained outside a git repository)")
+    patch = ""
+    if tags.get("git_dirty") != "false":
+        if "git_patch" not in tags:
+            raise Refusal(f"run {run_id} ({name}) was trained from a tree with uncommitted changes and kept no "
+                          f"patch of them (made before runs kept one): commit {tags['git_commit'][:12]} alone is "
+                          "not the code that ran")
+        patch = _artifact_text(client, run_id, tags["git_patch"], "its uncommitted change")
+    params_text = _artifact_text(client, run_id, PARAMS_ARTIFACT, "the params file it read")
+    for key in ("code_sha256", "world_size", "device_type"):
+        if key not in tags:
+            raise Refusal(f"run {run_id} ({name}) has no {key} tag (made before runs recorded it): nothing to "
+                          "check a reproduction against")
+    return Recorded(run_id, name, tags, run.data.params, params_text, patch)
+
+
+def _artifact_text(client, run_id: str, path: str, what: str) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            return Path(client.download_artifacts(run_id, path, tmp)).read_text()
+        except Exception as exc:
+            raise Refusal(f"run {run_id}: {what} ({path}) is not among its artifacts ({exc})") from None
+
+
+def check_host(recorded: Recorded, root: Path) -> None:
+    """What this host and repository must give for the same training: the commit, and the devices."""
+    commit = recorded.tags["git_commit"]
+    if subprocess.run(["git", "cat-file", "-e", f"{commit}^{{commit}}"], cwd=root, capture_output=True).returncode:
+        raise Refusal(f"run {recorded.run_id}: its commit {commit[:12]} is not in the repository {root}; fetch it "
+                      "(git fetch) and run again")
+    # As the run's own code read them: this code's checks may not hold for an older params file.
+    train = (_yaml(recorded.params_text) or {}).get("train") or {}
+    nodes, launcher, device = train.get("nodes", 1), train.get("launcher", "local"), train.get("device", "auto")
+    if nodes != 1 and launcher == "local":
+        raise Refusal(f"run {recorded.run_id} ran on {nodes} nodes under torchrun; a reproduction "
+                      "runs on this host (or through train.launcher: slurm)")
+    from pipeline.parallel import cuda_device_count
+
+    gpus = cuda_device_count()
+    ran_on, world = recorded.tags["device_type"], int(recorded.tags["world_size"])
+    shares = recorded.params.get("batch_shares") or ""  # DataParallel's: one per GPU
+    needed = world if recorded.mode == "ddp" else (len(shares.split("/")) if recorded.mode == "dp" and shares else 1)
+    if ran_on == "cuda" and gpus < needed and launcher == "local":
+        raise Refusal(f"run {recorded.run_id} ({recorded.mode}) trained on {needed} CUDA device(s); this host has "
+                      f"{gpus}: run the reproduction where {needed} GPU(s) are visible")
+    if ran_on == "cpu" and gpus and device != "cpu":
+        raise Refusal(f"run {recorded.run_id} ({recorded.mode}) trained on the CPU, but train.device: "
+                      f"{device} trains on this host's GPUs: hide them (CUDA_VISIBLE_DEVICES=) and run "
+                      "again")
+
+
+def _yaml(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def prepare_checkout(recorded: Recorded, root: Path, folder: Path) -> Path:
+    """The recorded code and params in `folder`: the commit, its patch, the params file."""
+    checkout = folder / "checkout"
+    git = ["git", "-c", "advice.detachedHead=false"]
+    for args, cwd in ((["clone", "--quiet", "--shared", "--no-checkout", str(root), str(checkout)], root),
+                      (["checkout", "--quiet", "--detach", recorded.tags["git_commit"]], checkout)):
+        done = subprocess.run([*git, *args], cwd=cwd, capture_output=True, text=True)
+        if done.returncode:
+            raise PipelineError(f"git {args[0]} for the reproduction failed: {done.stderr.strip()}")
+    if recorded.patch:
+        patch = folder / "uncommitted.patch"
+        patch.write_text(recorded.patch)
+        done = subprocess.run([*git, "apply", "--binary", str(patch)], cwd=checkout, capture_output=True, text=True)
+        if done.returncode:
+            raise Refusal(f"run {recorded.run_id}: its uncommitted change does not apply to commit "
+                          f"{recorded.tags['git_commit'][:12]}: {done.stderr.strip().splitlines()[0]}")
+    (checkout / "params.yaml").write_text(recorded.params_text)
+    code = record.code_digest([checkout / "pipeline", checkout / "stages"])
+    if code != recorded.tags["code_sha256"]:
+        raise Refusal(f"run {recorded.run_id}: commit {recorded.tags['git_commit'][:12]} with its patch is not the "
+                      "code it ran (code_sha256 differs): it ran files git does not track (untracked, or ignored)")
+    return checkout
+
+
+def place_data(recorded: Recorded, workspace: Path, checkout: Path, env: dict[str, str],
+               echo: Callable[[str], None]) -> None:
+    """The prepared data the run read: the workspace's when its digest matches the record's, else
+    prepared afresh in the checkout by the recorded code and params (from MNIST_SOURCE, as
+    `mnist-pipeline prepare` reads it); a mismatch then shows in the verdict."""
+    source, target = workspace / PREPARED, checkout / PREPARED
+    if source.is_dir() and record.files_digest(source) == recorded.tags.get("data_sha256"):
+        shutil.copytree(source, target)
+        return
+    echo(f"reproduce: {source} is not the data run {recorded.run_id} read; preparing it again")
+    _run([sys.executable, "-m", "stages", "prepare"], checkout, env, "prepare")
+
+
+def _run(command: list[str], cwd: Path, env: dict[str, str], what: str) -> None:
+    done = subprocess.run(command, cwd=cwd, env=env)
+    if done.returncode:
+        raise PipelineError(f"the reproduction's {what} failed (exit code {done.returncode}); its output is above")
+
+
+def child_env(uri: str) -> dict[str, str]:
+    """The environment the reproduction's stages run in: the same store, and nothing of DVC's (this is
+    no stage of it)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("DVC_")}
+    env["MLFLOW_TRACKING_URI"] = uri
+    return env
+
+
+def weights_difference(original: dict, remade: dict) -> str:
+    """Where two state_dicts differ: the first tensor in name order, and the largest |Δw|."""
+    if original.keys() != remade.keys():
+        only = sorted(original.keys() ^ remade.keys())
+        return f"the tensors differ by name ({only[0]} is in one only)"
+    first, largest = None, 0.0
+    for name in sorted(original):
+        a, b = original[name], remade[name]
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{name} is {b.dtype} {tuple(b.shape)}, was {a.dtype} {tuple(a.shape)}"
+        if record.weights_digest({name: a}) != record.weights_digest({name: b}):  # bits, not values (-0.0, NaN)
+            first = first or name
+            largest = max(largest, (a.double() - b.double()).abs().max().item())
+    return f"largest |Δw| {largest:.3g}, first in {first}" if first else "the same weights"
+
+
+def facts_that_differ(original: dict[str, str], remade: dict[str, str]) -> list[str]:
+    return [f"{key} {original.get(key, '-')} -> {remade.get(key, '-')}" for key in COMPARED
+            if original.get(key) != remade.get(key)]
+
+
+def reproduce(run_id: str, workspace: Path, echo: Callable[[str], None]) -> tuple[int, str]:
+    """Re-make run `run_id`: (exit code, verdict line)."""
+    import mlflow
+    import torch
+    from mlflow import MlflowClient
+
+    uri = tracking.tracking_uri()
+    try:
+        tracking.check_store(uri)
+    except PipelineError as exc:
+        raise Refusal(str(exc)) from None
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    with tracking.store_errors(uri, f"reading run {run_id}"):
+        recorded = read_record(client, run_id, uri)
+    check_host(recorded, workspace)
+    with tempfile.TemporaryDirectory(prefix="mnist-reproduce-") as tmp:
+        checkout = prepare_checkout(recorded, workspace, Path(tmp))
+        env = child_env(uri)
+        place_data(recorded, workspace, checkout, env, echo)
+        echo(f"reproduce: training {recorded.mode} as run {run_id} did, in {checkout} "
+             f"(commit {recorded.tags['git_commit'][:12]}{', with its patch' if recorded.patch else ''})")
+        _run([sys.executable, "-m", "stages", "train", "--mode", recorded.mode], checkout, env, "training")
+        out = checkout / "models" / recorded.mode
+        new_id = json.loads((out / "mlflow_run.json").read_text())["parent"]
+        remade_weights = torch.load(out / "model.pt", map_location="cpu", weights_only=True)["state_dict"]
+        original_weights = torch.load(tracking.download_weights(f"runs:/{run_id}/model", Path(tmp) / "original"),
+                                      map_location="cpu", weights_only=True)["state_dict"]
+    expected = recorded.tags.get("weights_sha256") or record.weights_digest(original_weights)
+    same = record.weights_digest(remade_weights) == expected
+    remade_tags = client.get_run(new_id).data.tags
+    if same:
+        code, line = 0, f"{BIT_FOR_BIT}: run {new_id} made the same weights as run {run_id}"
+    else:
+        differs = facts_that_differ(recorded.tags, remade_tags)
+        code, line = DIFFERS, (f"differs: run {new_id} against run {run_id}: "
+                               f"{weights_difference(original_weights, remade_weights)}; "
+                               + ("in the record: " + ", ".join(differs) if differs else
+                                  "nothing in the record differs"))
+    verdict = "bit for bit" if same else "differs"
+    with tracking.store_errors(uri, f"tagging run {run_id}"):
+        client.set_tag(run_id, "reproduction", verdict)
+        client.set_tag(run_id, "reproduction_run", new_id)
+        client.set_tag(new_id, "reproduces", run_id)
+        client.set_tag(new_id, "mlflow.note.content", f"A reproduction of run {run_id}: {verdict}. {line}")
+    return code, line

@@ -1,0 +1,184 @@
+"""`mnist-pipeline reproduce RUN_ID`: a mode's training re-made from its MLflow record alone, in a
+temporary checkout of the recorded commit with its patch, logged to the same store; its verdict in
+one line and its exit code (0 bit for bit, 1 differs, 2 refused), and the workspace untouched."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow import MlflowClient
+
+from pipeline import record
+from tests.conftest import SMALL, free_port, make_project, project_env, run, train_cli, write_tiny_mnist
+
+STORE_FILES = ("mlflow.db", "mlflow.db-wal", "mlflow.db-shm", "mlartifacts")  # the store: it takes the new run
+
+
+def client_of(project: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+
+
+def parent_of(project: Path, mode: str) -> str:
+    return json.loads((project / "models" / mode / "mlflow_run.json").read_text())["parent"]
+
+
+def workspace_state(project: Path) -> dict[str, tuple[int, int]]:
+    """Every file of the workspace but the store's, with its size and modification time."""
+    return {str(path.relative_to(project)): (path.stat().st_size, path.stat().st_mtime_ns)
+            for path in project.rglob("*")
+            if path.is_file() and path.relative_to(project).parts[0] not in (*STORE_FILES, ".git")}
+
+
+def reproduce(project: Path, run_id: str, **env: str) -> subprocess.CompletedProcess:
+    return run(["mnist-pipeline", "reproduce", run_id], project, check=False, **project_env(project, **env))
+
+
+def verdict(proc: subprocess.CompletedProcess) -> str:
+    lines = [line for line in proc.stdout.splitlines() + proc.stderr.splitlines() if line.startswith("reproduce: ")]
+    return lines[-1] if lines else f"no verdict:\n{proc.stdout}\n{proc.stderr}"
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, mnist_dir) -> Path:
+    """A small project in which each mode trained once, from a clean tree."""
+    project = make_project(tmp_path_factory.mktemp("reproduce") / "proj", SMALL)
+    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    for mode in ("single", "dp", "ddp"):
+        train_cli(project, mode)
+    return project
+
+
+@pytest.mark.parametrize("mode", ["single", "dp", "ddp"])
+def test_each_mode_is_remade_bit_for_bit(trained, mode):
+    original = parent_of(trained, mode)
+    before = workspace_state(trained)
+    proc = reproduce(trained, original)
+    assert proc.returncode == 0, verdict(proc)
+    assert verdict(proc).startswith("reproduce: reproduced bit for bit"), verdict(proc)
+    assert workspace_state(trained) == before  # outputs, models/, the checkout: as they were
+    client = client_of(trained)
+    tags = client.get_run(original).data.tags
+    assert tags["reproduction"] == "bit for bit"
+    remade = client.get_run(tags["reproduction_run"])
+    assert remade.data.tags["reproduces"] == original and remade.info.status == "FINISHED"
+    assert remade.info.run_name == mode and remade.info.experiment_id == client.get_run(original).info.experiment_id
+    for key in ("world_size", "device_type", "code_sha256", "params_sha256", "data_sha256", "weights_sha256"):
+        assert remade.data.tags[key] == tags[key], key
+    if mode == "ddp":  # through its launcher: a run per rank again
+        ranks = client.search_runs([remade.info.experiment_id], f"tags.mlflow.parentRunId = '{remade.info.run_id}'")
+        assert sorted(r.info.run_name for r in ranks) == ["ddp/rank-0", "ddp/rank-1"]
+
+
+def test_a_run_from_a_dirty_tree_is_remade_from_its_patch(tmp_path, mnist_dir):
+    """The uncommitted change decides the weights (a narrower layer): without the patch, the
+    reproduction could not match."""
+    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 1}})
+    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    model = project / "pipeline" / "model.py"
+    model.write_text(model.read_text().replace("nn.Linear(32 * 7 * 7, 128)", "nn.Linear(32 * 7 * 7, 64)")
+                     .replace("nn.Linear(128, 10),\n    )\n\n\ndef classic", "nn.Linear(64, 10),\n    )\n\n\ndef classic"))
+    train_cli(project, "single")
+    original = parent_of(project, "single")
+    run(["git", "checkout", "--", "pipeline/model.py"], project)  # the workspace moves on
+    proc = reproduce(project, original)
+    assert proc.returncode == 0, verdict(proc)
+    remade = client_of(project).get_run(client_of(project).get_run(original).data.tags["reproduction_run"])
+    assert remade.data.tags["git_dirty"] == "true"  # the checkout with the patch applied, as the original
+
+
+def test_a_difference_is_named_with_what_differs_in_the_record(tmp_path):
+    """The MNIST files the data is prepared from changed (the workspace's data with them): the
+    reproduction prepares what the recorded params say from what it is given, and the verdict names
+    the weights' difference and the data's digest."""
+    first = write_tiny_mnist(tmp_path / "mnist-a")
+    second = tmp_path / "mnist-b"
+    second.mkdir()
+    for path in first.iterdir():
+        header = 16 if "images" in path.name else 8
+        raw = path.read_bytes()
+        body = bytes((b * 7 + 3) % 256 for b in raw[header:]) if "images" in path.name else raw[header:]
+        (second / path.name).write_bytes(raw[:header] + body)
+    params = {"data": {"verify_checksums": False, "val_size": 10, "train_limit": 0},
+              "train": {"epochs": 1, "batch_size": 10, "nproc": 2}, "commcheck": SMALL["commcheck"]}
+    project = make_project(tmp_path / "proj", params)
+    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(first)))
+    train_cli(project, "single")
+    original = parent_of(project, "single")
+    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(second)))
+    proc = reproduce(project, original, MNIST_SOURCE=str(second))
+    assert proc.returncode == 1, verdict(proc)
+    line = verdict(proc)
+    assert "largest |Δw|" in line and "data_sha256" in line and "code_sha256" not in line, line
+    assert client_of(project).get_run(original).data.tags["reproduction"] == "differs"
+
+
+@pytest.fixture(scope="module")
+def records(trained) -> dict[str, str]:
+    """Runs whose records a reproduction must refuse, each made as the store would hold it."""
+    client = client_of(trained)
+    good = client.get_run(parent_of(trained, "single"))
+    experiment = good.info.experiment_id
+    params = yaml.safe_dump(yaml.safe_load((trained / "params.yaml").read_text()))
+
+    def made(name: str, status: str | None = "FINISHED", **tags: str) -> str:
+        kept = {key: good.data.tags[key] for key in ("git_commit", "git_dirty", "code_sha256", "world_size",
+                                                     "device_type", "mode")}
+        run_id = client.create_run(experiment, run_name=name, tags={**kept, **tags}).info.run_id
+        client.log_text(run_id, params, "params.yaml")
+        if status:
+            client.set_terminated(run_id, status)
+        return run_id
+
+    rank = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{good.info.run_id}'")[0].info.run_id
+    return {"rank": rank,
+            "commcheck": made("commcheck", mode="commcheck"),
+            "failed": made("single", "FAILED"),
+            "running": made("single", None),
+            "no patch": made("single", git_dirty="true"),
+            "unknown commit": made("single", git_commit="0123456789abcdef0123456789abcdef01234567"),
+            "gpus": made("ddp", mode="ddp", device_type="cuda", world_size="2")}
+
+
+@pytest.mark.parametrize("case, says", [
+    ("rank", "one rank's run: reproduce the mode's run it belongs to"),
+    ("commcheck", "not a training"),
+    ("failed", "is FAILED: only a finished training"),
+    ("running", "is RUNNING"),
+    ("no patch", "kept no patch"),
+    ("unknown commit", "is not in the repository"),
+    ("gpus", "trained on 2 CUDA device(s); this host has 0"),
+    ("unknown run", "no such run"),
+    ("no store", "does not answer"),
+])
+def test_what_cannot_be_remade_is_refused_in_one_line(trained, records, case, says):
+    run_id = records.get(case, "f" * 32)
+    env = {"MLFLOW_TRACKING_URI": f"http://127.0.0.1:{free_port()}"} if case == "no store" else {}
+    before = workspace_state(trained)
+    proc = reproduce(trained, run_id, **env)
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reproduce: ") and says in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert workspace_state(trained) == before
+
+
+def test_weights_digest_is_over_the_tensors_not_the_file(tmp_path):
+    """The same weights saved twice (another pickle, another zip) have one digest; a flipped bit, a
+    renamed tensor or another dtype do not."""
+    import torch
+
+    weights = {"a.weight": torch.randn(4, 3), "a.bias": torch.zeros(4), "steps": torch.tensor(7)}
+    torch.save({"state_dict": weights}, tmp_path / "one.pt")
+    torch.save({"state_dict": dict(reversed(weights.items())), "extra": [1, 2]}, tmp_path / "two.pt")
+    assert (tmp_path / "one.pt").read_bytes() != (tmp_path / "two.pt").read_bytes()
+    assert record.saved_weights_digest(tmp_path / "one.pt") == record.saved_weights_digest(tmp_path / "two.pt")
+    digest = record.weights_digest(weights)
+    flipped = {**weights, "a.bias": weights["a.bias"].clone()}
+    flipped["a.bias"].view(torch.int32)[0] ^= 1
+    assert record.weights_digest(flipped) != digest
+    assert record.weights_digest({**{"b.bias" if k == "a.bias" else k: v for k, v in weights.items()}}) != digest
+    assert record.weights_digest({**weights, "a.bias": weights["a.bias"].double()}) != digest
