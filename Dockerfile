@@ -2,7 +2,10 @@
 # The -base flavour of the CUDA image: the CUDA compat libraries and the environment the NVIDIA
 # container toolkit reads, and no CUDA libraries. torch's wheels bring their own (cuBLAS, cuDNN,
 # NCCL, ... as nvidia-* packages), so -runtime would only add second copies of them.
-ARG BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04
+# Pinned by digest beside its tag: a tag can be moved to other contents, a digest cannot. To move
+# on, pick the new tag and pin what it points at now: `docker buildx imagetools inspect
+# nvidia/cuda:TAG` prints the digest (the multi-platform index's, which docker resolves per platform).
+ARG BASE_IMAGE=nvidia/cuda:13.0.1-base-ubuntu24.04@sha256:f8ef28f579ea42a44b415d2c5d46f788e6a9b395c6c83f2929416e1fc192c143
 FROM ${BASE_IMAGE}
 
 ENV DEBIAN_FRONTEND=noninteractive \
@@ -39,11 +42,20 @@ RUN pip install --no-cache-dir --require-hashes -r /tmp/requirements.lock
 
 WORKDIR /workspace
 COPY --chown=1000:1000 . /workspace
+# What the image was built from, written into it for every run in it to record (pipeline/record.py):
+# `docker build --build-arg SOURCE_COMMIT=$(git describe --always --dirty --abbrev=40) .` Declared
+# here, last: a RUN after an ARG sees it, so a new commit rebuilds only this layer, not torch's.
+ARG BASE_IMAGE
+ARG SOURCE_COMMIT=unknown
 # Editable: with the repository mounted over /workspace, the mounted code is what runs.
 # The folder itself (made by WORKDIR as root) must be the user's too: stages create data/, models/...
 RUN pip install --no-cache-dir --no-deps --no-build-isolation -e /workspace \
     && install -m 0755 docker/entrypoint.sh /usr/local/bin/entrypoint \
-    && chown 1000:1000 /workspace
+    && chown 1000:1000 /workspace \
+    && mkdir -p /etc/mnist-pipeline \
+    && lock=$(sha256sum /tmp/requirements.lock) \
+    && printf '{"base": "%s", "source_commit": "%s", "requirements_lock_sha256": "%s"}\n' \
+        "$BASE_IMAGE" "$SOURCE_COMMIT" "${lock%% *}" > /etc/mnist-pipeline/image.json
 
 USER 1000:1000
 # The entrypoint runs dumb-init as PID 1, so `docker stop` ends a run cleanly (docker/entrypoint.sh).

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping
 PATCH_ARTIFACT = "source/uncommitted.patch"  # where a dirty tree's change goes on the parent run
 LOCK_FILE = Path("requirements.lock")
 DRIVER_VERSION_FILE = Path("/proc/driver/nvidia/version")  # the NVIDIA kernel module's (in a container too)
+IMAGE_FACTS = Path("/etc/mnist-pipeline/image.json")  # written by the Dockerfile's last step
 
 
 def sha256(*parts: bytes) -> str:
@@ -64,7 +65,8 @@ def files_digest(folder: Path) -> str:
 
 
 def file_digest(path: Path) -> str:
-    return sha256(path.read_bytes()) if path.is_file() else "none"
+    """One file's bytes, as `sha256sum` prints it; "none" without the file."""
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "none"
 
 
 def weights_digest(state_dict: Mapping[str, Any]) -> str:
@@ -123,8 +125,17 @@ def driver_version() -> str:
     return words[0] if words else "unknown"
 
 
+def image() -> dict[str, str]:
+    """In the project's image: what it was built from (base image by digest, source commit, lock)."""
+    try:
+        facts = json.loads(IMAGE_FACTS.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {f"image_{key}": str(value) for key, value in facts.items()} if isinstance(facts, dict) else {}
+
+
 def software() -> dict[str, str]:
-    """The versions a result depends on; none of these calls initialises a GPU."""
+    """The versions a result depends on, and the image it ran in; none of these calls initialises a GPU."""
     import torch
 
     try:
@@ -134,7 +145,7 @@ def software() -> dict[str, str]:
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     return {"python_version": platform.python_version(), "torch_version": torch.__version__,
             "cuda_version": torch.version.cuda or "none", "cudnn_version": str(cudnn or "none"),
-            "nccl_version": nccl, "cpu_model": cpu_model()}
+            "nccl_version": nccl, "cpu_model": cpu_model(), **image()}
 
 
 def gpus() -> dict[str, str]:

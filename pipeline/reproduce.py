@@ -30,7 +30,7 @@ BIT_FOR_BIT = "reproduced bit for bit"
 # run and its reproduction is named in the verdict.
 COMPARED = ("python_version", "torch_version", "cuda_version", "cudnn_version", "nccl_version", "cpu_model",
             "gpu_names", "driver_version", "device_type", "world_size", "backend", "code_sha256", "params_sha256",
-            "requirements_lock_sha256", "data_sha256")
+            "requirements_lock_sha256", "data_sha256", "image_base", "image_source_commit")
 PARAMS_ARTIFACT = "params.yaml"  # on the parent run: the params file as the training read it
 PREPARED = Path("data/prepared")  # where `dvc repro` prepares the data and trains from it
 
@@ -174,12 +174,21 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], what: str) -> None:
         raise PipelineError(f"the reproduction's {what} failed (exit code {done.returncode}); its output is above")
 
 
-def child_env(uri: str) -> dict[str, str]:
-    """The environment the reproduction's stages run in: the same store, and nothing of DVC's (this is
-    no stage of it)."""
+def child_env(uri: str, checkout: Path) -> dict[str, str]:
+    """The environment the reproduction's stages run in: the same store, the checkout's code (a
+    commit older than stages/entry.py does not choose it itself), and nothing of DVC's (this is no
+    stage of it)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("DVC_")}
-    env["MLFLOW_TRACKING_URI"] = uri
+    env.update(MLFLOW_TRACKING_URI=uri, PYTHONPATH=str(checkout))
     return env
+
+
+def scratch_parent(workspace: Path) -> Path | None:
+    """Where the checkout goes: DVC's scratch folder in the repository (git ignores it), which is
+    where the workspace is, so a Slurm job's nodes see it as they see the workspace (a node's own
+    /tmp they would not); else the system's temp folder."""
+    folder = workspace / ".dvc" / "tmp"
+    return folder if folder.is_dir() else None
 
 
 def weights_difference(original: dict, remade: dict) -> str:
@@ -219,9 +228,9 @@ def reproduce(run_id: str, workspace: Path, echo: Callable[[str], None]) -> tupl
     with tracking.store_errors(uri, f"reading run {run_id}"):
         recorded = read_record(client, run_id, uri)
     check_host(recorded, workspace)
-    with tempfile.TemporaryDirectory(prefix="mnist-reproduce-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="reproduce-", dir=scratch_parent(workspace)) as tmp:
         checkout = prepare_checkout(recorded, workspace, Path(tmp))
-        env = child_env(uri)
+        env = child_env(uri, checkout)
         place_data(recorded, workspace, checkout, env, echo)
         echo(f"reproduce: training {recorded.mode} as run {run_id} did, in {checkout} "
              f"(commit {recorded.tags['git_commit'][:12]}{', with its patch' if recorded.patch else ''})")

@@ -50,6 +50,7 @@ MECHANISMS = [
     ("a dropout stream per DataParallel replica (each GPU's generator)", "test_dataparallel_replicas_draw_dropout_masks_of_their_own"),
     ("bf16 keeps float32's accuracy", "test_bf16_keeps_float32_accuracy"),
     ("deterministic cuDNN/cuBLAS: identical reruns, bit-identical resume", "test_a_resume_on_the_gpu_ends_with_the_uninterrupted_weights_bit_for_bit"),
+    ("a run re-made from its MLflow record, bit for bit on the GPUs", "test_a_run_on_the_gpus_is_reproduced_bit_for_bit_from_its_record"),
     ("steady-state throughput after the warm-up steps", "dvc repro (default params, all of MNIST)"),
     ("what train.deterministic costs", "train.deterministic cost (single, all of MNIST)"),
     ("the driver floor (CUDA 13.0 wheels: driver 580 or newer)", "the first lines: an older driver fails here"),

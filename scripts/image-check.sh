@@ -108,7 +108,8 @@ if [ -n "${IMAGE_CHECK_REUSE_IMAGE:-}" ] && bah inspect --type image "$image" >/
     step "reusing $image (IMAGE_CHECK_REUSE_IMAGE): only the run steps"
 else
     step "docker build -t mnist-pipeline .   (buildah bud FROM $base)"
-    bah bud --isolation chroot --layers=false --build-arg "BASE_IMAGE=$base" "${build_args[@]}" "${mounts[@]}" \
+    bah bud --isolation chroot --layers=false --build-arg "BASE_IMAGE=$base" \
+        --build-arg "SOURCE_COMMIT=$(git describe --always --dirty --abbrev=40)" "${build_args[@]}" "${mounts[@]}" \
         -t "$image" .
 fi
 bah images --format '{{.Name}}:{{.Tag}} {{.Size}}' | grep -E "mnist-pipeline:check|cuda-standin" || true
@@ -120,6 +121,16 @@ step "the image: user trainer is 1000:1000, dumb-init for PID 1, mnist-pipeline 
 bah run --isolation chroot --user 1000:1000 "$ctr" -- sh -c \
     'test "$(id -un 1000):$(id -gn 1000)" = trainer:trainer && command -v dumb-init && test -w /workspace'
 bah run --isolation chroot --user 1000:1000 "$ctr" -- entrypoint mnist-pipeline --version
+
+step "the image says what it was built from: /etc/mnist-pipeline/image.json"
+bah run --isolation chroot "$ctr" -- cat /etc/mnist-pipeline/image.json | tee "$work/image.json"
+"$root/.venv/bin/python" - "$work/image.json" "$base" "$root/requirements.lock" <<'PY'
+import hashlib, json, sys
+facts = json.load(open(sys.argv[1]))
+assert facts["base"] == sys.argv[2], facts
+assert facts["requirements_lock_sha256"] == hashlib.sha256(open(sys.argv[3], "rb").read()).hexdigest(), facts
+assert facts["source_commit"] not in ("", "unknown"), facts
+PY
 
 small_params() {  # params.yaml for a small slice: seconds per stage on a CPU
     "$root/.venv/bin/python" - "$1" "$2" <<'PY'
@@ -182,12 +193,37 @@ for _ in $(seq 120); do curl -fs "http://127.0.0.1:$port/health" >/dev/null && b
 # chroot isolation shares the host's network, as --network host does.
 bah run "${mounted[@]}" -e "MLFLOW_TRACKING_URI=http://127.0.0.1:$port" "$ctr" -- \
     entrypoint mnist-pipeline train --mode single
-"$root/.venv/bin/python" - "$port" <<'PY'
-import sys
+"$root/.venv/bin/python" - "$port" "$work/image.json" <<'PY'
+import json, sys
 from mlflow import MlflowClient
 client = MlflowClient(f"http://127.0.0.1:{sys.argv[1]}")
 runs = client.search_runs([e.experiment_id for e in client.search_experiments()], "attributes.run_name = 'single'")
 assert runs and runs[0].info.status == "FINISHED", runs
-print(f"run {runs[0].info.run_id} FINISHED on the host's server")
+facts = json.load(open(sys.argv[2]))
+tags = runs[0].data.tags
+assert (tags["image_base"], tags["image_source_commit"]) == (facts["base"], facts["source_commit"]), tags
+print(f"run {runs[0].info.run_id} FINISHED on the host's server, tagged with the image it ran in")
+PY
+
+step "the same weights in the image and in this host's venv: single on the small slice, both on this CPU"
+host="$work/host-checkout"
+rm -rf "$host" && mkdir -p "$host"
+git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$host"
+cp "$checkout/params.yaml" "$host/params.yaml"
+(cd "$host" && MNIST_SOURCE="$mnist" "$root/.venv/bin/mnist-pipeline" prepare \
+    && "$root/.venv/bin/mnist-pipeline" train --mode single)
+"$root/.venv/bin/python" - "$checkout" "$host" <<'PY'
+import sys
+from pathlib import Path
+from pipeline import record
+image, host = (Path(p) for p in sys.argv[1:])
+rows = [(name, record.files_digest(p / "data/prepared"), record.saved_weights_digest(p / "models/single/model.pt"))
+        for name, p in (("image", image), ("host venv", host))]
+print(f"{'trained in':<10}  {'prepared data (sha256)':<64}  weights of single (sha256)")
+for name, data, weights in rows:
+    print(f"{name:<10}  {data}  {weights}")
+assert rows[0][1] == rows[1][1], "the prepared data differ: prepare is not the same in the image"
+assert rows[0][2] == rows[1][2], "the weights differ: the image changes the result on this CPU"
+print("the same data and the same weights, bit for bit")
 PY
 step "image check passed"

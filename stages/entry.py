@@ -23,11 +23,18 @@ PACKAGES = ("pipeline", "stages")
 
 
 def project_root(start: Path) -> Path | None:
-    """The nearest folder, from `start` up, that holds the project's two packages."""
+    """The nearest folder, from `start` up, that holds the project's two packages, where this user
+    (or root) owns the folder and both packages and nobody else may write to them: a `pipeline/`
+    and `stages/` another user put in a shared folder above (/tmp) must not be run as this user's."""
     for folder in (start, *start.parents):
         if all((folder / package / "__init__.py").is_file() for package in PACKAGES):
-            return folder
+            return folder if all(_ours(path) for path in (folder, *(folder / p for p in PACKAGES))) else None
     return None
+
+
+def _ours(path: Path) -> bool:
+    info = path.stat()
+    return info.st_uid in (os.geteuid(), 0) and not info.st_mode & 0o002
 
 
 def use_code_of(root: Path) -> None:

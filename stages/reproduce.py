@@ -7,14 +7,17 @@ from pathlib import Path
 import click
 
 from pipeline import reproduce as remake
+from pipeline.config import MODES
+from stages.common import read_run_ids, run_ids_file
 
 
 @click.command(short_help="Re-make a mode's run from its MLflow record; compare the weights.")
-@click.argument("run_id")
-def reproduce(run_id: str) -> None:
-    """Train the mode of MLflow run RUN_ID (a `single`, `dp` or `ddp` run) again from its record
-    alone: its commit checked out in a temporary folder, its uncommitted change applied, its params,
-    world size and device type, logged to the same store as a run of its own. The workspace and
+@click.argument("run", metavar="RUN_ID|MODE")
+def reproduce(run: str) -> None:
+    """Train the mode of MLflow run RUN_ID (a `single`, `dp` or `ddp` run; or MODE: the workspace's
+    last training of it, as models/MODE/mlflow_run.json names it) again from its record alone: its
+    commit checked out in a temporary folder, its uncommitted change applied, its params, world size
+    and device type, logged to the same store as a run of its own, linked to it. The workspace and
     models/ are not touched.
 
     \b
@@ -23,9 +26,19 @@ def reproduce(run_id: str) -> None:
       1  the weights differ: the line says by how much, and what in the record differs
       2  refused: the line says what is missing (run, commit, patch, devices, store)"""
     try:
-        code, verdict = remake.reproduce(run_id, Path.cwd(), click.echo)
+        code, verdict = remake.reproduce(run_id_of(run), Path.cwd(), click.echo)
     except remake.Refusal as exc:
         click.echo(f"reproduce: {exc}", err=True)
         sys.exit(remake.REFUSED)
     click.echo(f"reproduce: {verdict}")
     sys.exit(code)
+
+
+def run_id_of(run: str) -> str:
+    if run not in MODES:
+        return run
+    parent = read_run_ids(run).get("parent")
+    if not parent:
+        raise remake.Refusal(f"{run_ids_file(run)}: no {run} training with MLflow runs in this workspace; give "
+                             "the run's id (the MLflow UI, or `mnist-pipeline compare`'s links)")
+    return parent

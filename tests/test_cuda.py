@@ -184,3 +184,14 @@ def test_a_resume_on_the_gpu_ends_with_the_uninterrupted_weights_bit_for_bit(gpu
     assert crashed.returncode != 0
     train_cli(gpu_project, mode, "--resume")
     assert max_abs_diff(reference, load_weights(gpu_project, mode)) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["single", "dp", "ddp"])
+def test_a_run_on_the_gpus_is_reproduced_bit_for_bit_from_its_record(gpu_project, mode):
+    """train.deterministic (on by default): `mnist-pipeline reproduce` re-makes the mode's run on
+    the same GPUs, from its MLflow record alone, with the same weights."""
+    train_cli(gpu_project, mode)
+    original = json.loads((gpu_project / "models" / mode / "mlflow_run.json").read_text())["parent"]
+    proc = run(["mnist-pipeline", "reproduce", original], gpu_project, check=False, **project_env(gpu_project))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "reproduced bit for bit" in proc.stdout

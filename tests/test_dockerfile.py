@@ -23,9 +23,22 @@ def test_hadolint_passes():
 def test_pinned_cuda_base_that_can_be_overridden():
     steps = instructions()
     # -base: torch's wheels bring their own CUDA libraries, so -runtime's would be second copies.
-    assert steps[0][0] == "ARG" and re.fullmatch(r"BASE_IMAGE=nvidia/cuda:\d+\.\d+\.\d+-base-ubuntu\d+\.\d+",
-                                                  steps[0][1])
+    # The tag says what it is, the digest pins what it is: a tag can be moved to other contents.
+    assert steps[0][0] == "ARG" and re.fullmatch(
+        r"BASE_IMAGE=nvidia/cuda:\d+\.\d+\.\d+-base-ubuntu\d+\.\d+@sha256:[0-9a-f]{64}", steps[0][1])
     assert ("FROM", "${BASE_IMAGE}") in steps
+
+
+def test_the_image_holds_what_it_was_built_from_without_rebuilding_torch_for_a_commit():
+    steps = instructions()
+    facts = next(i for i, (op, arg) in enumerate(steps) if op == "RUN" and "/etc/mnist-pipeline/image.json" in arg)
+    for name in ("BASE_IMAGE", "SOURCE_COMMIT"):
+        declared = [i for i, (op, arg) in enumerate(steps) if op == "ARG" and arg.split("=")[0] == name and i > 1]
+        assert declared, name  # after FROM: an ARG before FROM is not seen by the build's steps
+        torch = next(i for i, (op, arg) in enumerate(steps) if "-r /tmp/requirements.lock" in arg)
+        assert torch < declared[-1] < facts  # a new commit rebuilds the last layer only
+    for field in ("base", "source_commit", "requirements_lock_sha256"):
+        assert field in steps[facts][1]
 
 
 def test_requirements_install_before_the_source_is_copied():

@@ -67,4 +67,5 @@ def test_quick_start_and_workflows_work_as_written(tmp_path, mnist_dir):
     assert workflows.returncode == 0, workflows.stdout[-3000:] + workflows.stderr[-3000:]
     shown = workflows.stdout
     assert "three-epochs" in shown and (project / "dvc_plots/index.html").is_file()
+    assert "reproduce: reproduced bit for bit" in shown, shown[-3000:]
     shutil.rmtree(project / "dvc_plots")

@@ -73,6 +73,12 @@ def test_each_mode_is_remade_bit_for_bit(trained, mode):
         assert sorted(r.info.run_name for r in ranks) == ["ddp/rank-0", "ddp/rank-1"]
 
 
+def test_a_mode_names_the_workspaces_last_training_of_it(trained):
+    proc = reproduce(trained, "single")
+    assert proc.returncode == 0, verdict(proc)
+    assert f"as run {parent_of(trained, 'single')} did" in proc.stdout
+
+
 def test_a_run_from_a_dirty_tree_is_remade_from_its_patch(tmp_path, mnist_dir):
     """The uncommitted change decides the weights (a narrower layer): without the patch, the
     reproduction could not match."""
