@@ -32,11 +32,11 @@ def sha256(*parts: bytes) -> str:
 
 
 def code_folders() -> list[Path]:
-    """The `pipeline` and `stages` packages this process imported (stages/entry.py chose them)."""
-    import pipeline
-    import stages
+    """The `pipeline` and `stages` packages this process imports (stages/entry.py chose them);
+    found, not imported: nothing here reaches up into `stages`."""
+    import importlib.util
 
-    return [Path(pipeline.__file__).parent, Path(stages.__file__).parent]
+    return [Path(importlib.util.find_spec(package).origin).parent for package in ("pipeline", "stages")]
 
 
 def code_digest(folders: Iterable[Path] | None = None) -> str:

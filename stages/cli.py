@@ -10,9 +10,11 @@ import click
 
 from pipeline import __version__, forkserver, malloc, tracking_helper
 from pipeline.errors import PipelineError
-from stages import warm
 
 DEBUG_ENV = "MNIST_PIPELINE_DEBUG"  # =1: every error also shows its traceback
+# True in a fork of the warm server (stages/warm_server.py sets it before the command runs): that
+# process imported everything, and forked the DDP fork server, already.
+in_warm_fork = False
 
 # Sub-command -> its module, imported only when that command runs: compare and send-runs need
 # neither torch nor the others' imports, and a stage run by hand is a process of its own (under
@@ -44,7 +46,7 @@ class PipelineGroup(click.Group):
         try:
             if ctx.resilient_parsing or not args or "--help" in args or "-h" in args:
                 pass  # shell completion, or help: nothing will run
-            elif warm.forked:
+            elif in_warm_fork:
                 pass  # a fork of the warm server: everything is imported, the DDP fork server forked
             elif launches_local_workers(args[0], args[1:]):
                 forkserver.start(args[0])

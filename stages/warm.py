@@ -66,7 +66,6 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
              signal.SIGCONT, signal.SIGWINCH)
 START_TIMEOUT_S = 600  # the server's imports, on a machine busy with something else
 READY_POLL_S = 0.5  # how often a client waiting for the server's imports looks whether it is stopped
-forked = False  # True in a fork of the server (set there): the command's process is warm already
 
 
 class Unavailable(Exception):

@@ -294,8 +294,9 @@ def run_command(request: dict, fds: list[int]) -> None:
     sys.stdout.reconfigure(line_buffering=os.isatty(1))  # as Python sets it up for what fd 1 is
     if "numpy" in sys.modules:  # numpy's global generator, seeded from the OS in a fresh process
         sys.modules["numpy"].random.seed()
-    warm.forked = True
     from stages import cli
+
+    cli.in_warm_fork = True
 
     args = sys.argv[1:]
     if cli.launches_local_workers(args[0], args[1:]):

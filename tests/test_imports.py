@@ -1,0 +1,81 @@
+"""The import graph of `pipeline` and `stages`, read from the source (every import, at module level
+or inside a function): no cycles, and `pipeline` (the library) never imports `stages` (the CLI and
+its stages), but for `python -m pipeline`, an entry point that nothing imports."""
+
+import ast
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+PACKAGES = ("pipeline", "stages")
+ENTRY_POINTS = {"pipeline.__main__"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The project modules `path` imports: `import a.b`, `from a import b` (b a module or a name in a)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:  # a name inside a module: the module
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports_of(path, set(found)) - {name} for name, path in found.items()}
+
+
+def cycle_from(start: str, edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle through `start`, as the chain of modules, or None."""
+    stack = [(start, [start])]
+    seen = set()
+    while stack:
+        node, chain = stack.pop()
+        for nxt in sorted(edges[node]):
+            if nxt == start:
+                return chain + [start]
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append((nxt, chain + [nxt]))
+    return None
+
+
+def test_the_graph_is_read_from_the_source():
+    edges = graph()
+    assert "pipeline.config" in edges["stages.train"] and "pipeline.tracking" in edges["stages.train"]
+    assert "stages.warm" in edges["stages.entry"]  # an import inside a function counts
+
+
+def test_no_import_cycles():
+    edges = graph()
+    cycles = [chain for name in sorted(edges) if (chain := cycle_from(name, edges))]
+    assert not cycles, " -> ".join(cycles[0])
+
+
+def test_the_library_never_imports_the_cli():
+    upward = [(name, target) for name, targets in graph().items() if name.startswith("pipeline")
+              and name not in ENTRY_POINTS for target in targets if target.split(".")[0] == "stages"]
+    assert not upward, upward
+
+
+def test_a_cycle_would_be_found():
+    edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycle_from("a", edges) == ["a", "b", "c", "a"] and cycle_from("d", edges) is None
