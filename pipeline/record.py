@@ -45,7 +45,7 @@ def code_digest(folders: Iterable[Path] | None = None) -> str:
     parts = []
     for folder in folders if folders is not None else code_folders():
         for path in sorted(folder.rglob("*.py")):
-            if "__pycache__" not in path.parts:
+            if "__pycache__" not in path.parts and path.is_file():  # not an editor's lock file (a dangling link)
                 parts += [str(path.relative_to(folder.parent)).encode(), path.read_bytes()]
     return sha256(*parts)
 

@@ -20,7 +20,9 @@ config files, every environment variable but DVC's own `DVC_*` and the shell's `
 `SHLVL` and `_` (passed to the fork instead), the user, the host name, the namespaces (a container,
 an emulated host), the cgroup, the CPUs, the priority and the limits. Anything else starts a
 server of its own; an idle one exits (`IDLE_ENV`, 30 s). Only the user who started a server, from
-the same namespaces, can reach it. What still differs from a fresh process: the fork's parent is
+the same namespaces, can reach it; a client believes only a process of its user in its namespaces,
+and a name that takes no connection (another user's process holding it) is passed over at once.
+Where the key cannot be computed, or no server can be had, the command runs in its own process. What still differs from a fresh process: the fork's parent is
 the server, it has no controlling terminal, and it shares the server's string-hash seed.
 
 On by default under DVC (DVC_STAGE set), on Linux, and never for a worker an outer launcher
@@ -65,6 +67,10 @@ LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TORCHELASTIC_RUN_ID")
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT, signal.SIGWINCH)
 START_TIMEOUT_S = 600  # the server's imports, on a machine busy with something else
+# A server accepts at once, even while it imports; a name whose queue is full (another user's
+# process took it after our server's idle exit, and accepts nothing) would block connect() forever.
+# With a timeout, the kernel answers a full queue of a Unix socket at once (EAGAIN).
+CONNECT_TIMEOUT_S = 5
 READY_POLL_S = 0.5  # how often a client waiting for the server's imports looks whether it is stopped
 
 
@@ -175,7 +181,10 @@ def command_of(args: list[str]) -> str | None:
 
 
 def connect(command: str) -> Client:
-    address = server_address()
+    try:
+        address = server_address()
+    except Exception as exc:  # an editor's lock file, a package half-reinstalled: run here, not fail
+        raise Unavailable(f"the warm server's key could not be computed ({type(exc).__name__}: {exc})") from None
     try:
         return Client(address)
     except Unavailable:
@@ -226,7 +235,8 @@ def code_digest() -> str:
         spec = importlib.util.find_spec(package)
         for folder in (spec.submodule_search_locations or []) if spec else []:
             for path in sorted(Path(folder).rglob("*.py")):
-                digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+                if path.is_file():  # not an editor's lock file (.#model.py, a link to nowhere)
+                    digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
@@ -302,16 +312,29 @@ class Client:
 
     def __init__(self, address: str) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(CONNECT_TIMEOUT_S)
         try:
             self._sock.connect(address)
+        except (TimeoutError, BlockingIOError):  # a Unix socket with a timeout says EAGAIN at once when full
+            self._sock.close()
+            raise Unavailable("the warm server's name takes no connection: its queue is full (another process "
+                              "may hold it)") from None
         except OSError as exc:
             self._sock.close()
             raise Unavailable(f"no warm server ({exc.strerror})") from None
+        self._sock.settimeout(None)
         # The pid of the process that last listened: the server itself, which listens again first thing.
         self._server_pid, uid, _ = peer_credentials(self._sock)
         if uid != os.getuid():  # someone else's process holds the name: send it nothing
             self._sock.close()
             raise Unavailable(f"the warm server's socket belongs to uid {uid}, not this user")
+        # Nor to a process of this user in another container that shares the network (and so the
+        # abstract name): it would get this command's streams, and its exit code would be believed.
+        # (Its pid is 0 here when it is in another PID namespace.)
+        if not same_namespaces(self._server_pid):
+            self._sock.close()
+            raise Unavailable(f"the warm server's socket is held by a process in other namespaces (pid "
+                              f"{self._server_pid} here)")
         self._pid: int | None = None
         self._pending: list[int] = []
         self._buffer = b""
@@ -441,6 +464,16 @@ def process_state(pid: int) -> str | None:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
         return None
+
+
+def same_namespaces(pid: int) -> bool:
+    """Whether process `pid` is where this one is: the same mount, network, UTS, IPC, PID, user and
+    cgroup namespaces (a container, an emulated host, a sandbox is another)."""
+    try:
+        return pid > 0 and all(os.readlink(f"/proc/{pid}/ns/{kind}") == os.readlink(f"/proc/self/ns/{kind}")
+                               for kind in ("mnt", "net", "uts", "ipc", "pid", "user", "cgroup"))
+    except OSError:
+        return False
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

@@ -187,7 +187,7 @@ def accept(listener: socket.socket, problem: str | None) -> socket.socket | None
     pid, uid, _ = warm.peer_credentials(conn)
     # Only its own user's commands, from where the server itself runs: the name of an abstract
     # socket can be read in /proc/net/unix from another container or sandbox of the same user.
-    if uid != os.getuid() or not same_namespaces(pid):
+    if uid != os.getuid() or not warm.same_namespaces(pid):
         conn.close()
         return None
     if not send(conn, {"error": f"the warm server cannot serve: {problem.strip().splitlines()[-1]}"} if problem
@@ -196,14 +196,6 @@ def accept(listener: socket.socket, problem: str | None) -> socket.socket | None
         conn.close()
         return None
     return conn
-
-
-def same_namespaces(pid: int) -> bool:
-    try:
-        return all(os.readlink(f"/proc/{pid}/ns/{kind}") == os.readlink(f"/proc/self/ns/{kind}")
-                   for kind in ("mnt", "net", "uts", "ipc", "pid", "user", "cgroup"))
-    except OSError:
-        return False
 
 
 def receive(conn: socket.socket, startup_path: list[str]) -> tuple[dict, list[int]] | str | None:

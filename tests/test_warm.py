@@ -369,6 +369,96 @@ def test_a_client_sends_nothing_to_another_users_server(monkeypatch):
         os.waitpid(pid, 0)
 
 
+def test_a_name_that_takes_no_connection_is_passed_over_within_seconds():
+    """Another process holds the server's name and accepts nothing: its queue full, connect()
+    would wait forever; the client gives up in CONNECT_TIMEOUT_S and the command runs here."""
+    address = f"\0mnist-pipeline-test/{os.getpid()}/{time.monotonic_ns()}"
+    squatter = socket.socket(socket.AF_UNIX)
+    squatter.bind(address)
+    squatter.listen(0)
+    queued = []
+    try:
+        while True:  # fill its queue as the squatter would
+            sock = socket.socket(socket.AF_UNIX)
+            sock.setblocking(False)
+            try:
+                sock.connect(address)
+            except BlockingIOError:
+                sock.close()
+                break
+            queued.append(sock)
+        started = time.monotonic()
+
+        def hung(signum, frame):
+            raise AssertionError("connect() to a full queue hung")
+
+        previous = signal.signal(signal.SIGALRM, hung)
+        signal.alarm(warm.CONNECT_TIMEOUT_S + 10)
+        try:
+            with pytest.raises(warm.Unavailable, match="takes no connection"):
+                warm.Client(address)
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+        assert time.monotonic() - started < warm.CONNECT_TIMEOUT_S + 2
+    finally:
+        for sock in (*queued, squatter):
+            sock.close()
+
+
+def test_a_client_sends_nothing_to_a_process_of_its_user_in_other_namespaces():
+    """A process of the same user in another container that shares the network sees the same
+    abstract names: it must not pose as the server (here: another UTS namespace)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a namespace")
+    import ctypes
+
+    address = f"\0mnist-pipeline-test/{os.getpid()}/{time.monotonic_ns()}"
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            if ctypes.CDLL(None, use_errno=True).unshare(0x04000000):  # CLONE_NEWUTS
+                os._exit(1)
+            impostor = socket.socket(socket.AF_UNIX)
+            impostor.bind(address)
+            impostor.listen()
+            os.write(ready_w, b"x")
+            conn, _ = impostor.accept()
+            time.sleep(60)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(ready_r, 1) == b"x"
+        with pytest.raises(warm.Unavailable, match="other namespaces"):
+            warm.Client(address)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_a_lock_file_in_the_code_runs_the_stage_and_a_key_that_cannot_be_made_runs_it_here(tmp_path, monkeypatch):
+    """An editor's lock file (.#model.py, a link to nowhere) is not code: the stage runs, and its
+    runs' code digest is the code's. Any other failure to make the key runs the command in its own
+    process rather than failing it."""
+    from pipeline import record
+
+    project = make_project(tmp_path / "proj")
+    (project / "pipeline" / ".#model.py").symlink_to("root@host.1234:1700000000")
+    env = {**project_env(project), "MNIST_PIPELINE_WARM": "1"}
+    done = run(["mnist-pipeline", "send-runs", "--mode", "single"], project, check=False, **env)
+    assert done.returncode == 0 and "nothing kept" in done.stdout, done.stderr
+    assert record.code_digest([project / "pipeline", project / "stages"]) == \
+        record.code_digest([ROOT / "pipeline", ROOT / "stages"])
+
+    def broken() -> str:
+        raise PermissionError("a package folder this user cannot read")
+
+    monkeypatch.setattr(warm, "server_key", broken)
+    with pytest.raises(warm.Unavailable, match="key could not be computed.*cannot read"):
+        warm.connect("train")
+
+
 def test_a_server_unfit_to_fork_says_so_and_the_command_runs_in_its_own_process(served, tmp_path):
     """An import that starts a thread (here a sitecustomize on PYTHONPATH) makes the server unfit:
     the client says why, once, and runs the command itself, with the same result."""
