@@ -22,6 +22,8 @@ an emulated host), the cgroup, the CPUs, the priority and the limits. Anything e
 server of its own; an idle one exits (`IDLE_ENV`, 30 s). Only the user who started a server, from
 the same namespaces, can reach it; a client believes only a process of its user in its namespaces,
 and a name that takes no connection (another user's process holding it) is passed over at once.
+The server forks only for a client whose key is its own, and serves nobody if the project's code
+changed while it imported (the client's key named the code before).
 Where the key cannot be computed, or no server can be had, the command runs in its own process. What still differs from a fresh process: the fork's parent is
 the server, it has no controlling terminal, and it shares the server's string-hash seed.
 
@@ -311,6 +313,7 @@ class Client:
     fork it runs the command in."""
 
     def __init__(self, address: str) -> None:
+        self._key = address.rsplit("/", 1)[-1]  # what this process would start a server for
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(CONNECT_TIMEOUT_S)
         try:
@@ -350,7 +353,7 @@ class Client:
         # What a fresh process would inherit from this one: the signals it ignores (nohup, a
         # background job of a script) and blocks stay so in the fork, and are not passed on.
         ignored = [int(sig) for sig in signal.Signals if signal.getsignal(sig) == signal.SIG_IGN]
-        request = {"argv": argv, "prog": program_name(), "cwd": os.getcwd(), "umask": current_umask(),
+        request = {"key": self._key, "argv": argv, "prog": program_name(), "cwd": os.getcwd(), "umask": current_umask(),
                    "path": sys.path, "env": {k: v for k, v in os.environ.items() if per_command(k)},
                    "ignored": ignored, "blocked": sorted(int(sig) for sig in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
         with stdio_fds() as fds:

@@ -47,8 +47,14 @@ def serve(listener_fd: int) -> Callable[[], None]:
     # (SO_PEERCRED), so a client waiting for the imports can see whether the server is stopped.
     relisten = socket.socket(fileno=listener_fd)
     relisten.listen(16)
+    own_key = key_of(relisten.getsockname())
     relisten.detach()
+    code = warm.code_digest()
     problem = preload()
+    if problem is None and warm.code_digest() != code:
+        # An edit saved while this imported: what it imported may be neither the client's code
+        # (its key) nor the code on disk now.
+        problem = "the project's code changed while the server imported it\n"
     startup_path = list(sys.path)
     os.chdir("/")  # holds no folder of a project (a test's tmpfs can be unmounted under it)
     idle_s = float(os.environ.get(warm.IDLE_ENV) or DEFAULT_IDLE_S)
@@ -101,7 +107,7 @@ def serve(listener_fd: int) -> Callable[[], None]:
                         client.close()
                 elif conn in waiting:
                     waiting.discard(conn)
-                    request = receive(conn, startup_path)
+                    request = receive(conn, startup_path, own_key)
                     pid = fork(conn, request) if isinstance(request, tuple) else None
                     if pid == 0:  # the command's process: leave the server behind, as it is
                         signal.set_wakeup_fd(-1)
@@ -198,9 +204,16 @@ def accept(listener: socket.socket, problem: str | None) -> socket.socket | None
     return conn
 
 
-def receive(conn: socket.socket, startup_path: list[str]) -> tuple[dict, list[int]] | str | None:
+def key_of(name: str | bytes) -> str:
+    """The key in the server's socket name (warm.server_address)."""
+    text = name.decode(errors="replace") if isinstance(name, bytes) else name
+    return text.rsplit("/", 1)[-1]
+
+
+def receive(conn: socket.socket, startup_path: list[str], own_key: str) -> tuple[dict, list[int]] | str | None:
     """The client's command and its standard streams; a reason it cannot run here; or None if the
-    client gave up before it sent one."""
+    client gave up before it sent one. A client whose own key is not this server's (its environment
+    differs: a stripped one, or another Python) gets no fork of this one."""
     fds: list[int] = []
     try:
         data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
@@ -212,7 +225,9 @@ def receive(conn: socket.socket, startup_path: list[str]) -> tuple[dict, list[in
         request = json.loads(data) if data.endswith(b"\n") and len(fds) == 3 else None
     except (OSError, ValueError):
         request = None
-    if request is not None and [os.path.abspath(p) for p in request["path"]] != startup_path:
+    if request is not None and request.get("key") != own_key:
+        request = "the client's key is not this server's: its environment or code differs"
+    elif request is not None and [os.path.abspath(p) for p in request["path"]] != startup_path:
         request = "the client's sys.path is not the one the server imported with"
     if not isinstance(request, dict):
         for fd in fds:

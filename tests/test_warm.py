@@ -459,6 +459,36 @@ def test_a_lock_file_in_the_code_runs_the_stage_and_a_key_that_cannot_be_made_ru
         warm.connect("train")
 
 
+def test_a_client_whose_key_is_not_the_servers_gets_no_fork(served):
+    """The name is the key, but a client may connect to any name: one of another environment (a
+    stripped one, secrets left out) must not get a fork that carries the server's."""
+    env = warm_env(served, MNIST_PIPELINE_WARM_IDLE_S="600", DVC_STAGE="train@bogus")
+    subprocess.run(["mnist-pipeline", "train", "--mode-of-dvc-stage"], cwd=served, env=env, capture_output=True,
+                   timeout=300)
+    [server] = servers_for(served)
+    client = warm.Client(listening_address(server))
+    client._key = "0" * 40  # what this test process's own environment would name
+    with pytest.raises(warm.Refused, match="key is not this server's"):
+        client.run(["mnist-pipeline", "train", "--help"])
+
+
+def test_an_edit_saved_while_the_server_imports_is_not_served(tmp_path):
+    """The client's key names the code before the server imported it; an edit saved meanwhile
+    (here: by a module the server imports) leaves the server unfit, and the command runs in its
+    own process, on the code as it is now."""
+    project = make_project(tmp_path / "proj")
+    plotting = project / "pipeline" / "plotting.py"
+    plotting.write_text(plotting.read_text() + "\n\nwith open(__file__.replace('plotting.py', 'model.py'), 'a') as f:\n"
+                        "    f.write('# saved\\n')\n")
+    try:
+        done = subprocess.run(["mnist-pipeline", "evaluate"], cwd=project, env={**warm_env(project), "MNIST_PIPELINE_DEBUG": "0"},
+                              capture_output=True, text=True, timeout=600)
+        assert "the warm server cannot serve: the project's code changed while the server imported it" in done.stderr, \
+            done.stderr
+    finally:
+        stop_servers(project)
+
+
 def test_a_server_unfit_to_fork_says_so_and_the_command_runs_in_its_own_process(served, tmp_path):
     """An import that starts a thread (here a sitecustomize on PYTHONPATH) makes the server unfit:
     the client says why, once, and runs the command itself, with the same result."""
