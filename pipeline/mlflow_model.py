@@ -4,7 +4,7 @@
 weights and reads the weights with `torch.load(weights_only=True)`, which builds tensors and plain
 containers and refuses anything else: a pickled nn.Module, as `mlflow.pytorch` logs it, would run
 whatever code anyone who can write to the artifact store put into it. `pipeline.tracking.load_model`
-goes further and runs nothing from the store at all (the README says which to use when).
+goes further and runs nothing from the store at all (docs/mlflow.md says which to use when).
 
 Apart from pipeline.tracking, the only module that imports mlflow: MLflow executes it on load.
 """
