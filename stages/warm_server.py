@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Callable
 
 from stages import warm
@@ -167,7 +166,7 @@ def preload() -> str | None:
     """Import everything; None if the server is fit to fork, else why not (told to each client,
     whose command then runs in its own process)."""
     try:
-        from pipeline import malloc, plotting
+        from pipeline import driver, malloc, plotting
 
         malloc.keep_freed_memory()  # as the CLI does first in every process
         for module in PRELOAD:
@@ -176,10 +175,11 @@ def preload() -> str | None:
         import torch
 
         # torch.cuda.is_available() initialises the driver without torch.cuda.is_initialized()
-        # saying so; the driver's library, loaded, does.
-        loaded = Path("/proc/self/maps").read_text()
-        if torch.cuda.is_initialized() or "libcuda.so" in loaded or "libnvidia-ml.so" in loaded:
-            return "CUDA (or NVML) was loaded while importing, and a fork of it could not use the GPUs"
+        # saying so; the driver, asked, does (loaded alone, as `import torch` loads it, is fine).
+        touched = driver.initialised()
+        if torch.cuda.is_initialized() or touched:
+            return (f"the NVIDIA driver was initialised while importing ({', '.join(touched) or 'torch.cuda'}), "
+                    "and a fork of it could not use the GPUs")
         if threading.active_count() != 1:
             return f"importing started Python threads: {threading.enumerate()}"
     except BaseException:

@@ -556,6 +556,51 @@ print("calls:", calls)
 """
 
 
+@pytest.fixture(scope="module")
+def stand_in_driver(tmp_path_factory) -> Path:
+    """A folder holding the stand-in libcuda.so.1 (tests/stand_in_libcuda.c), for LD_LIBRARY_PATH."""
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc to build the stand-in driver")
+    folder = tmp_path_factory.mktemp("driver")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / "libcuda.so.1"), str(ROOT / "tests" / "stand_in_libcuda.c")],
+                   check=True)
+    return folder
+
+
+DRIVER_LOADED_NOT_INITIALISED = """
+import ctypes
+from stages.warm_server import preload
+print("problem:", preload())
+maps = open("/proc/self/maps").read()
+print("mapped:", any(line.endswith("/libcuda.so.1") and "driver" in line for line in maps.splitlines()))
+ctypes.CDLL("libcuda.so.1").cuInit(0)  # what torch.cuda.is_available() reaches
+print("after cuInit:", preload())
+"""
+
+
+def test_a_driver_that_import_torch_loads_but_nothing_initialised_leaves_the_server_fit(stand_in_driver, tmp_path):
+    """On a GPU host `import torch` maps libcuda.so.1 and calls nothing in it: the server is fit to
+    fork (it used to refuse, so no stage there was ever served); once cuInit ran, it is not."""
+    log = tmp_path / "calls"
+    done = subprocess.run([sys.executable, "-c", DRIVER_LOADED_NOT_INITIALISED], cwd=ROOT, capture_output=True,
+                          text=True, env=subprocess_env(LD_LIBRARY_PATH=str(stand_in_driver), STAND_IN_CUDA_LOG=str(log)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-3:-1] == ["problem: None", "mapped: True"], done.stdout
+    assert lines[-1].startswith("after cuInit: the NVIDIA driver was initialised while importing (libcuda.so.1)")
+    calls = log.read_text().splitlines()
+    assert "cuInit" not in calls[:calls.index("cuInit")] and set(calls[:calls.index("cuInit")]) <= {"cuDeviceGetCount"}
+
+
+def test_a_stage_on_a_host_with_a_driver_is_served(stand_in_driver, served):
+    """The issue's host: every stage printed "the warm server cannot serve" and ran on its own."""
+    env = {**warm_env(served, LD_LIBRARY_PATH=str(stand_in_driver)), "DVC_STAGE": "train@bogus"}
+    done = subprocess.run(["mnist-pipeline", "train", "--mode-of-dvc-stage"], cwd=served, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "--mode-of-dvc-stage needs a stage train@<mode>" in done.stderr, done.stderr
+    assert "running in this process" not in done.stderr and len(servers_for(served)) == 1
+
+
 def test_what_the_server_imports_never_touches_cuda_nor_starts_a_thread():
     """A fork of a process that initialised the CUDA driver cannot use the GPUs: nothing the
     server imports may call into torch's CUDA runtime, and preload() must find it fit to fork."""
