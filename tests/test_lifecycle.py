@@ -44,6 +44,21 @@ def test_a_second_signal_does_not_cut_the_ending_short(second):
     assert runs.ended == ["FAILED"]
 
 
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_that_arrives_twice_does_not_cut_short_the_cleanup_on_the_way_out(stop):
+    """A job-wide signal reaches a warm server's fork from the kill and again from its client."""
+    runs, cleaned = RecordingRuns(), []
+    with pytest.raises((SystemExit, KeyboardInterrupt)):
+        with until_done(runs):
+            try:
+                os.kill(os.getpid(), stop)
+            finally:
+                os.kill(os.getpid(), stop)  # the same signal, forwarded
+                cleaned.append("workers stopped")
+    assert cleaned == ["workers stopped"] and runs.ended == ["FAILED"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_a_failure_to_end_the_runs_does_not_hide_the_first_error():
     class Unreachable(RecordingRuns):
         def end(self, status, wait_s=None):
