@@ -38,10 +38,6 @@ from multiprocessing import connection, resource_tracker, util
 from pathlib import Path
 from typing import Iterator
 
-# What the server imports for each command's workers, once (pipeline/preloaded.py says why).
-PRELOAD = {"commcheck": ["pipeline.preloaded", "stages.commcheck"],
-           # torch.optim and torch.use_deterministic_algorithms import torch._dynamo on first use.
-           "train": ["pipeline.preloaded", "torch._dynamo", "stages.train"]}
 START_METHOD = "forkserver"  # torchrun's agent starts each worker as a fork of the server
 
 
@@ -67,13 +63,22 @@ def check_socket_path() -> None:
             f"to a folder of at most {UNIX_PATH_MAX - SOCKET_NAME_BYTES} bytes (e.g. TMPDIR=/tmp)")
 
 
-def start(command: str) -> None:
-    """Start the fork server for `command`'s workers now, if it is not running: it imports in the
-    background while this process goes on. It holds this process's environment as it is now,
-    which every worker inherits (torchrun's variables are set in each worker on top); it ends with
-    this process."""
-    multiprocessing.set_forkserver_preload(PRELOAD[command])
+def start(preload: list[str]) -> None:
+    """Start the fork server for a command's workers now, if it is not running: it imports the
+    modules `preload` names (stages.common.WORKER_PRELOAD) in the background while this process
+    goes on. It holds this process's environment as it is now, which every worker inherits
+    (torchrun's variables are set in each worker on top); it ends with this process."""
+    multiprocessing.set_forkserver_preload(preload)
     multiprocessing.forkserver.ensure_running()
+
+
+def run_named(target: str, *args: str) -> None:
+    """A worker's entry point, named `module:function` (torchrun's agent calls it in each worker):
+    the library starts the workers of a command it does not import."""
+    import importlib
+
+    module, _, function = target.partition(":")
+    getattr(importlib.import_module(module), function)(*args)
 
 
 def fork_here() -> None:

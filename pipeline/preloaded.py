@@ -1,6 +1,6 @@
 """What the fork server (pipeline.forkserver) imports first, once, for every DDP worker it forks:
 each worker then starts with torch, MLflow's SQL store and torchrun's worker code in place (the
-command's own module comes after it, pipeline.forkserver.PRELOAD).
+command's own module comes after it, stages.common.WORKER_PRELOAD).
 
 Importing this module is the whole point of it; nothing else imports it.
 """

@@ -17,8 +17,9 @@ import subprocess
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-PATCH_ARTIFACT = "source/uncommitted.patch"  # where a dirty tree's change goes on the parent run
-LOCK_FILE = Path("requirements.lock")
+PATCH_FOLDER, PATCH_FILE = "source", "uncommitted.patch"
+PATCH_ARTIFACT = f"{PATCH_FOLDER}/{PATCH_FILE}"  # where a dirty tree's change goes on the parent run
+REQUIREMENTS_LOCK = "requirements.lock"  # in the project's folder
 DRIVER_VERSION_FILE = Path("/proc/driver/nvidia/version")  # the NVIDIA kernel module's (in a container too)
 IMAGE_FACTS = Path("/etc/mnist-pipeline/image.json")  # written by the Dockerfile's last step
 
@@ -37,6 +38,11 @@ def code_folders() -> list[Path]:
     import importlib.util
 
     return [Path(importlib.util.find_spec(package).origin).parent for package in ("pipeline", "stages")]
+
+
+def project_folder() -> Path:
+    """The project whose code runs: the folder that holds the `pipeline` package."""
+    return code_folders()[0].parent
 
 
 def code_digest(folders: Iterable[Path] | None = None) -> str:
@@ -100,10 +106,20 @@ def git(*args: str, cwd: Path | None = None) -> str:
         return ""
 
 
-def uncommitted_patch(cwd: Path | None = None) -> str:
-    """The change of the tracked files against the commit (what `git apply` re-makes); empty on a
-    clean tree or outside git. Untracked files are not in it: the code digest tells them apart."""
-    return git("diff", "HEAD", "--binary", "--no-ext-diff", "--no-color", cwd=cwd)
+# Whatever the user's git config says: a patch `git apply` takes as it is (prefixes a/ and b/, no
+# textconv or external diff, no colour, the whole tree however deep the working directory).
+PATCH_COMMAND = ["git", "-c", "diff.noprefix=false", "-c", "diff.relative=false", "diff", "HEAD", "--binary",
+                 "--no-textconv", "--no-ext-diff", "--no-color", "--src-prefix=a/", "--dst-prefix=b/"]
+
+
+def uncommitted_patch(cwd: Path | None = None) -> bytes:
+    """The change of the tracked files against the commit, as bytes (a file in another encoding,
+    CRLF line ends: as they are): what `git apply` re-makes. Empty on a clean tree or outside git.
+    Untracked files are not in it: the code digest tells them apart."""
+    try:
+        return subprocess.run(PATCH_COMMAND, cwd=cwd, capture_output=True, check=True, timeout=120).stdout
+    except (OSError, subprocess.SubprocessError):
+        return b""
 
 
 def cpu_model() -> str:
@@ -139,12 +155,18 @@ def software() -> dict[str, str]:
     import torch
 
     try:
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))  # ncclGetVersion: no CUDA call
     except (AttributeError, RuntimeError, TypeError):  # a torch built without NCCL
         nccl = "none"
-    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    # The library's own cudnnGetVersion, not torch.backends.cudnn.version(): that one checks the
+    # GPUs' compute capability first, which initialises CUDA, and raises on a version mismatch.
+    library = getattr(torch._C, "_cudnn", None)
+    try:
+        cudnn = str(library.getVersionInt()) if library is not None else "none"
+    except (AttributeError, RuntimeError):
+        cudnn = "unknown"
     return {"python_version": platform.python_version(), "torch_version": torch.__version__,
-            "cuda_version": torch.version.cuda or "none", "cudnn_version": str(cudnn or "none"),
+            "cuda_version": torch.version.cuda or "none", "cudnn_version": cudnn,
             "nccl_version": nccl, "cpu_model": cpu_model(), **image()}
 
 
@@ -160,4 +182,4 @@ def inputs(params: Mapping[str, Any], data_dir: Path) -> dict[str, str]:
     """The digests of what a training read, as tags on each of its runs (the software and the
     hardware are in stages.workers.run_facts; the commit and the patch in pipeline.tracking)."""
     return {"code_sha256": code_digest(), "params_sha256": params_digest(params),
-            "requirements_lock_sha256": file_digest(LOCK_FILE), "data_sha256": files_digest(data_dir)}
+            "requirements_lock_sha256": file_digest(project_folder() / REQUIREMENTS_LOCK), "data_sha256": files_digest(data_dir)}

@@ -24,7 +24,7 @@ from pipeline import record, tracking
 from pipeline.config import MODES
 from pipeline.errors import PipelineError
 
-REFUSED, DIFFERS = 2, 1  # exit codes; 0 is bit for bit
+DIFFERS, REFUSED, FAILED = 1, 2, 3  # exit codes; 0 is bit for bit
 BIT_FOR_BIT = "reproduced bit for bit"
 # What the record says about where and from what a run was made: each one that differs between the
 # run and its reproduction is named in the verdict.
@@ -48,7 +48,7 @@ class Recorded:
     tags: dict[str, str]
     params: dict[str, str]  # as logged: flattened, and the world size and batch shares besides
     params_text: str
-    patch: str
+    patch: bytes
 
 
 def read_record(client, run_id: str, uri: str) -> Recorded:
@@ -75,14 +75,14 @@ def read_record(client, run_id: str, uri: str) -> Recorded:
                       "and compared")
     if tags.get("git_commit", "unknown") == "unknown":
         raise Refusal(f"run {run_id} ({name}) records no commit (it was trained outside a git repository)")
-    patch = ""
+    patch = b""
     if tags.get("git_dirty") != "false":
         if "git_patch" not in tags:
             raise Refusal(f"run {run_id} ({name}) was trained from a tree with uncommitted changes and kept no "
                           f"patch of them (made before runs kept one): commit {tags['git_commit'][:12]} alone is "
                           "not the code that ran")
-        patch = _artifact_text(client, run_id, tags["git_patch"], "its uncommitted change")
-    params_text = _artifact_text(client, run_id, PARAMS_ARTIFACT, "the params file it read")
+        patch = _artifact_bytes(client, run_id, tags["git_patch"], "its uncommitted change")
+    params_text = _artifact_bytes(client, run_id, PARAMS_ARTIFACT, "the params file it read").decode()
     for key in ("code_sha256", "world_size", "device_type"):
         if key not in tags:
             raise Refusal(f"run {run_id} ({name}) has no {key} tag (made before runs recorded it): nothing to "
@@ -90,12 +90,23 @@ def read_record(client, run_id: str, uri: str) -> Recorded:
     return Recorded(run_id, name, tags, run.data.params, params_text, patch)
 
 
-def _artifact_text(client, run_id: str, path: str, what: str) -> str:
+def _artifact_bytes(client, run_id: str, path: str, what: str) -> bytes:
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            return Path(client.download_artifacts(run_id, path, tmp)).read_text()
+            return Path(client.download_artifacts(run_id, path, tmp)).read_bytes()
         except Exception as exc:
             raise Refusal(f"run {run_id}: {what} ({path}) is not among its artifacts ({exc})") from None
+
+
+def logged_weights(run_id: str, folder: Path) -> dict:
+    """The weights the run logged (its MLflow model's model.pt), before anything is trained."""
+    import torch
+
+    try:
+        path = tracking.download_weights(f"runs:/{run_id}/model", folder)
+    except Exception as exc:
+        raise Refusal(f"run {run_id}: its logged model is not there to compare with ({exc})") from None
+    return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
 
 
 def check_host(recorded: Recorded, root: Path) -> None:
@@ -113,9 +124,8 @@ def check_host(recorded: Recorded, root: Path) -> None:
     from pipeline.parallel import cuda_device_count
 
     gpus = cuda_device_count()
-    ran_on, world = recorded.tags["device_type"], int(recorded.tags["world_size"])
-    shares = recorded.params.get("batch_shares") or ""  # DataParallel's: one per GPU
-    needed = world if recorded.mode == "ddp" else (len(shares.split("/")) if recorded.mode == "dp" and shares else 1)
+    ran_on = recorded.tags["device_type"]
+    needed = devices_used(recorded)
     if ran_on == "cuda" and gpus < needed and launcher == "local":
         raise Refusal(f"run {recorded.run_id} ({recorded.mode}) trained on {needed} CUDA device(s); this host has "
                       f"{gpus}: run the reproduction where {needed} GPU(s) are visible")
@@ -123,6 +133,29 @@ def check_host(recorded: Recorded, root: Path) -> None:
         raise Refusal(f"run {recorded.run_id} ({recorded.mode}) trained on the CPU, but train.device: "
                       f"{device} trains on this host's GPUs: hide them (CUDA_VISIBLE_DEVICES=) and run "
                       "again")
+
+
+def devices_used(recorded: Recorded) -> int:
+    """The GPUs (or CPU processes) the run trained on: DDP's world, DataParallel's shares of a batch
+    ('43/43/42', or '6x8/5x16' for runs of equal ones), one for single."""
+    if recorded.mode == "ddp":
+        return int(recorded.tags["world_size"])
+    shares = recorded.params.get("batch_shares") or ""
+    if recorded.mode != "dp" or not shares:
+        return 1
+    return sum(int(part.split("x")[1]) if "x" in part else 1 for part in shares.split("/"))
+
+
+def visible_devices(recorded: Recorded) -> dict[str, str]:
+    """On a host with more GPUs than the run had, only as many for the reproduction: DataParallel
+    splits over every visible GPU, and DDP's default nproc starts a worker per GPU."""
+    from pipeline.parallel import cuda_device_count
+
+    if recorded.tags["device_type"] != "cuda" or cuda_device_count() <= devices_used(recorded):
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(cuda_device_count())]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids[:devices_used(recorded)])}
 
 
 def _yaml(text: str) -> Any:
@@ -142,7 +175,7 @@ def prepare_checkout(recorded: Recorded, root: Path, folder: Path) -> Path:
             raise PipelineError(f"git {args[0]} for the reproduction failed: {done.stderr.strip()}")
     if recorded.patch:
         patch = folder / "uncommitted.patch"
-        patch.write_text(recorded.patch)
+        patch.write_bytes(recorded.patch)
         done = subprocess.run([*git, "apply", "--binary", str(patch)], cwd=checkout, capture_output=True, text=True)
         if done.returncode:
             raise Refusal(f"run {recorded.run_id}: its uncommitted change does not apply to commit "
@@ -174,12 +207,12 @@ def _run(command: list[str], cwd: Path, env: dict[str, str], what: str) -> None:
         raise PipelineError(f"the reproduction's {what} failed (exit code {done.returncode}); its output is above")
 
 
-def child_env(uri: str, checkout: Path) -> dict[str, str]:
+def child_env(uri: str, checkout: Path, recorded: Recorded) -> dict[str, str]:
     """The environment the reproduction's stages run in: the same store, the checkout's code (a
-    commit older than stages/entry.py does not choose it itself), and nothing of DVC's (this is no
-    stage of it)."""
+    commit older than stages/entry.py does not choose it itself), as many GPUs as the run had, and
+    nothing of DVC's (this is no stage of it)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("DVC_")}
-    env.update(MLFLOW_TRACKING_URI=uri, PYTHONPATH=str(checkout))
+    env.update(MLFLOW_TRACKING_URI=uri, PYTHONPATH=str(checkout), **visible_devices(recorded))
     return env
 
 
@@ -228,9 +261,13 @@ def reproduce(run_id: str, workspace: Path, echo: Callable[[str], None]) -> tupl
     with tracking.store_errors(uri, f"reading run {run_id}"):
         recorded = read_record(client, run_id, uri)
     check_host(recorded, workspace)
-    with tempfile.TemporaryDirectory(prefix="reproduce-", dir=scratch_parent(workspace)) as tmp:
+    # A worker still writing when Ctrl-C ended this must not turn the cleanup into a traceback.
+    with tempfile.TemporaryDirectory(prefix="reproduce-", dir=scratch_parent(workspace),
+                                     ignore_cleanup_errors=True) as tmp:
+        with tracking.store_errors(uri, f"reading run {run_id}'s model"):
+            original = logged_weights(run_id, Path(tmp) / "original")
         checkout = prepare_checkout(recorded, workspace, Path(tmp))
-        env = child_env(uri, checkout)
+        env = child_env(uri, checkout, recorded)
         place_data(recorded, workspace, checkout, env, echo)
         echo(f"reproduce: training {recorded.mode} as run {run_id} did, in {checkout} "
              f"(commit {recorded.tags['git_commit'][:12]}{', with its patch' if recorded.patch else ''})")
@@ -238,9 +275,7 @@ def reproduce(run_id: str, workspace: Path, echo: Callable[[str], None]) -> tupl
         out = checkout / "models" / recorded.mode
         new_id = json.loads((out / "mlflow_run.json").read_text())["parent"]
         remade_weights = torch.load(out / "model.pt", map_location="cpu", weights_only=True)["state_dict"]
-        original_weights = torch.load(tracking.download_weights(f"runs:/{run_id}/model", Path(tmp) / "original"),
-                                      map_location="cpu", weights_only=True)["state_dict"]
-    expected = recorded.tags.get("weights_sha256") or record.weights_digest(original_weights)
+    expected = recorded.tags.get("weights_sha256") or record.weights_digest(original)
     same = record.weights_digest(remade_weights) == expected
     remade_tags = client.get_run(new_id).data.tags
     if same:
@@ -248,7 +283,7 @@ def reproduce(run_id: str, workspace: Path, echo: Callable[[str], None]) -> tupl
     else:
         differs = facts_that_differ(recorded.tags, remade_tags)
         code, line = DIFFERS, (f"differs: run {new_id} against run {run_id}: "
-                               f"{weights_difference(original_weights, remade_weights)}; "
+                               f"{weights_difference(original, remade_weights)}; "
                                + ("in the record: " + ", ".join(differs) if differs else
                                   "nothing in the record differs"))
     verdict = "bit for bit" if same else "differs"

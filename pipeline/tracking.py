@@ -369,9 +369,14 @@ def git_facts() -> dict[str, str]:
 def _log_uncommitted_change(client, parent_id: str) -> None:
     """A dirty tree's change, on the parent run, so that the run can still be re-made from its
     record (`mnist-pipeline reproduce`); the tag says where it is."""
+    import tempfile
+
     patch = record.uncommitted_patch()
     if patch:
-        client.log_text(parent_id, patch, record.PATCH_ARTIFACT)
+        with tempfile.TemporaryDirectory() as folder:  # bytes as git wrote them: no text round trip
+            path = Path(folder) / record.PATCH_FILE
+            path.write_bytes(patch)
+            client.log_artifact(parent_id, str(path), record.PATCH_FOLDER)
         client.set_tag(parent_id, "git_patch", record.PATCH_ARTIFACT)
 
 

@@ -15,15 +15,10 @@ Imports nothing heavy: the CLI starts the helper before it loads the stage's mod
 from __future__ import annotations
 
 import atexit
-import importlib
 import json
 import logging
-import os
-import signal
 import subprocess
 import sys
-import traceback
-from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
@@ -41,7 +36,7 @@ IN_FLIGHT_S = 60
 
 class Helper:
     def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "pipeline.tracking_helper"], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen([sys.executable, "-m", "pipeline.tracking_helper_main"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True)
         self._in_flight = False  # a call taken, its answer not read yet
 
@@ -110,49 +105,3 @@ def _stop() -> None:
     if _running is not None:
         _running.close()
         _running = None
-
-
-def _serve() -> None:
-    """The helper: MLflow and the store loaded first, then one call per line on stdin, answered
-    on the stdout it was given (MLflow's own printing goes to stderr): an empty line when it takes
-the call, then the call's answer."""
-    answers = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the stage's to handle; this ends with it
-    from pipeline.config import TrackingConfig
-
-    # Through importlib: tracking is this process's code, and the CLI imports this module in every
-    # stage, which must not all list tracking as a DVC dependency (tests/test_dvc_deps.py).
-    tracking = importlib.import_module("pipeline.tracking")
-
-    try:  # what the first call would otherwise wait for: MLflow, and a local store's schema check
-        from mlflow import MlflowClient
-
-        client = MlflowClient(tracking.tracking_uri())
-        if tracking.tracking_uri().startswith("sqlite:"):  # a server is only asked when a call needs it
-            client.search_experiments(max_results=1)
-    except Exception:  # the call itself reports what is wrong with the store
-        pass
-    for line in sys.stdin:
-        request = json.loads(line)
-        answers.write("{}\n")  # taken: from here on the call is this process's to make
-        answers.flush()
-        kwargs = request["kwargs"]
-        kwargs["config"] = TrackingConfig(**kwargs["config"])
-        kwargs["artifacts"] = [Path(path) for path in kwargs["artifacts"]]
-        if kwargs.get("datasets"):
-            kwargs["datasets"] = (Path(kwargs["datasets"][0]), tuple(kwargs["datasets"][1]))
-        try:
-            if request["call"] not in CALLS:  # only the calls this module exists for, never any attribute
-                raise ValueError(f"not a tracking helper call: {request['call']!r}")
-            reply = {"result": getattr(tracking, request["call"])(**kwargs)}
-        except PipelineError as exc:
-            reply = {"error": str(exc)}
-        except Exception:
-            reply = {"bug": traceback.format_exc()}
-        answers.write(json.dumps(reply) + "\n")
-        answers.flush()
-
-
-if __name__ == "__main__":
-    _serve()

@@ -4,7 +4,9 @@ import importlib
 import logging
 import os
 import sys
+import time
 import traceback
+from pathlib import Path
 
 import click
 
@@ -49,7 +51,9 @@ class PipelineGroup(click.Group):
             elif in_warm_fork:
                 pass  # a fork of the warm server: everything is imported, the DDP fork server forked
             elif launches_local_workers(args[0], args[1:]):
-                forkserver.start(args[0])
+                from stages.common import WORKER_PRELOAD
+
+                forkserver.start(WORKER_PRELOAD[args[0]])
             elif logs_after_training(args[0], args[1:]):
                 tracking_helper.start()
         except OSError as exc:  # no socket or process to be had: the command starts its own when it needs one
@@ -168,6 +172,37 @@ def nccl_failure(text: str) -> str:
     else:
         cause = "see NCCL's own reason"
     return (f"NCCL failed ({reason[:300]}): {cause}; set NCCL_DEBUG=WARN (or INFO) for NCCL's own detail")
+
+
+# How long a failing worker stays before it exits. A fork leaves at once (os._exit), where a fresh
+# interpreter took about this long to shut down; torchrun's agent stops every other rank at the
+# first exit it sees and names only that one, so without it a peer's own message (rank 0's "the loss
+# is not finite at step 12", a rank's "connection closed by peer" after another was killed) would be
+# cut off before it is printed, and the rank named would be the quickest to fail, not the first.
+FAILURE_GRACE_S = 1.0
+
+
+def run_worker_command(registry: str, *command: str) -> None:
+    """A worker's life, in a fork of the fork server (pipeline.forkserver): `mnist-pipeline
+    <command>`, as a fresh `python -m stages <command>` would run it under torchrun. It returns on
+    success (torchrun's agent waits for each worker's return value) and exits non-zero on failure,
+    having printed why, as the command does. `registry`: where the launcher finds its workers."""
+    forkserver.detach_worker(Path(registry))
+    sys.argv = ["mnist-pipeline", *command]
+    try:
+        main(list(command), prog_name="mnist-pipeline")
+    except SystemExit as done:
+        if done.code in (0, None):
+            return
+        time.sleep(FAILURE_GRACE_S)
+        raise
+    except KeyboardInterrupt:  # outside click's own handling: a failure all the same, never exit 0
+        time.sleep(FAILURE_GRACE_S)
+        raise SystemExit(130) from None
+    except BaseException:  # a bug (no PipelineError): its traceback is the report, as a fresh interpreter's
+        traceback.print_exc()
+        time.sleep(FAILURE_GRACE_S)
+        raise
 
 
 EPILOG = """\b

@@ -20,21 +20,28 @@ import sys
 from pathlib import Path
 
 PACKAGES = ("pipeline", "stages")
+MARKERS = ("pipeline/__init__.py", "stages/__init__.py", "stages/entry.py")  # this project's, not any two packages
 
 
-def project_root(start: Path) -> Path | None:
-    """The nearest folder, from `start` up, that holds the project's two packages, where this user
-    (or root) owns the folder and both packages and nobody else may write to them: a `pipeline/`
-    and `stages/` another user put in a shared folder above (/tmp) must not be run as this user's."""
+def project_root(start: Path) -> tuple[Path | None, str | None]:
+    """The nearest folder, from `start` up, that holds this project's packages, if this user (or
+    root) owns the folder and both packages and nobody else may write to them: a `pipeline/` and
+    `stages/` another user put in a shared folder above (/tmp) must not run as this user's code.
+    Also why such a folder was passed over (None if none was)."""
     for folder in (start, *start.parents):
-        if all((folder / package / "__init__.py").is_file() for package in PACKAGES):
-            return folder if all(_ours(path) for path in (folder, *(folder / p for p in PACKAGES))) else None
-    return None
-
-
-def _ours(path: Path) -> bool:
-    info = path.stat()
-    return info.st_uid in (os.geteuid(), 0) and not info.st_mode & 0o002
+        try:
+            found = all((folder / marker).is_file() for marker in MARKERS)
+        except OSError:  # a folder this user may not read (EACCES): none of its projects
+            continue
+        if found:
+            for path in (folder, *(folder / package for package in PACKAGES)):
+                info = path.stat()
+                if info.st_uid not in (os.geteuid(), 0):
+                    return None, f"{path} belongs to uid {info.st_uid}"
+                if info.st_mode & 0o002:
+                    return None, f"anyone may write to {path}"
+            return folder, None
+    return None, None
 
 
 def use_code_of(root: Path) -> None:
@@ -52,9 +59,12 @@ def use_code_of(root: Path) -> None:
 
 def main() -> None:
     try:
-        root = project_root(Path.cwd().resolve())
+        root, passed_over = project_root(Path.cwd().resolve())
     except OSError:  # the working directory was removed: let the command say what it can
-        root = None
+        root, passed_over = None, None
+    if passed_over:
+        print(f"mnist-pipeline: not running the project code found here ({passed_over}); running the installed "
+              f"code in {Path(__file__).resolve().parents[1]}", file=sys.stderr)
     if root is not None:
         use_code_of(root)
     from stages.warm import main as run

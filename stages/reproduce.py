@@ -6,9 +6,12 @@ from pathlib import Path
 
 import click
 
+from pipeline import record
 from pipeline import reproduce as remake
 from pipeline.config import MODES
-from stages.common import read_run_ids, run_ids_file
+from pipeline.errors import PipelineError
+from pipeline.atomic import read_json
+from stages.common import run_ids_file
 
 
 @click.command(short_help="Re-make a mode's run from its MLflow record; compare the weights.")
@@ -24,21 +27,28 @@ def reproduce(run: str) -> None:
     Exit codes:
       0  reproduced bit for bit (the weights' digests match)
       1  the weights differ: the line says by how much, and what in the record differs
-      2  refused: the line says what is missing (run, commit, patch, devices, store)"""
+      2  refused: the line says what is missing (run, commit, patch, model, devices, store)
+      3  the reproduction itself failed (its training, its checkout): the line says where"""
+    workspace = record.project_folder()  # the project this runs in, from any folder of it
     try:
-        code, verdict = remake.reproduce(run_id_of(run), Path.cwd(), click.echo)
+        code, verdict = remake.reproduce(run_id_of(run, workspace), workspace, click.echo)
     except remake.Refusal as exc:
         click.echo(f"reproduce: {exc}", err=True)
         sys.exit(remake.REFUSED)
+    except PipelineError as exc:
+        click.echo(f"reproduce: failed: {exc}", err=True)
+        sys.exit(remake.FAILED)
     click.echo(f"reproduce: {verdict}")
     sys.exit(code)
 
 
-def run_id_of(run: str) -> str:
+def run_id_of(run: str, workspace: Path) -> str:
+    """RUN_ID as given, or MODE's last training in the workspace."""
     if run not in MODES:
         return run
-    parent = read_run_ids(run).get("parent")
+    ids = workspace / run_ids_file(run)
+    parent = read_json(ids, "train that mode again, or give the run's id").get("parent") if ids.is_file() else None
     if not parent:
-        raise remake.Refusal(f"{run_ids_file(run)}: no {run} training with MLflow runs in this workspace; give "
-                             "the run's id (the MLflow UI, or `mnist-pipeline compare`'s links)")
+        raise remake.Refusal(f"{ids}: no {run} training with MLflow runs in this workspace; give the run's id "
+                             "(the MLflow UI, or `mnist-pipeline compare`'s links)")
     return parent

@@ -3,9 +3,6 @@
 import os
 import shutil
 import subprocess
-import sys
-import time
-import traceback
 from pathlib import Path
 
 import click
@@ -14,8 +11,10 @@ import torch
 from pipeline import forkserver, parallel, record
 from pipeline.config import Config
 from pipeline.errors import PipelineError
+from stages.common import WORKER_PRELOAD
 
 SBATCH_SCRIPT = Path("deploy/slurm/train.sbatch")
+WORKER_ENTRY = "stages.cli:run_worker_command"
 
 
 def launch_workers(config: Config, command: list[str]) -> None:
@@ -25,42 +24,11 @@ def launch_workers(config: Config, command: list[str]) -> None:
     if parallel.gpus_as_wanted(config.train.device) and (small := parallel.small_shm(nproc)):
         click.echo(f"{command[0]}: warning: {small}", err=True)  # NCCL's first collective would say less
     click.echo(f"{command[0]}: launching {nproc} workers")
-    forkserver.start(command[0])  # the CLI started it already, unless it could not tell it would launch
+    forkserver.start(WORKER_PRELOAD[command[0]])  # the CLI started it already, unless it could not tell it would launch
     with forkserver.workers_stopped_on_failure() as registry:
-        parallel.launch_workers(nproc, run_worker_command, [str(registry), *command])
-
-
-# How long a failing worker stays before it exits. A fork leaves at once (os._exit), where a fresh
-# interpreter took about this long to shut down; torchrun's agent stops every other rank at the
-# first exit it sees and names only that one, so without it a peer's own message (rank 0's "the loss
-# is not finite at step 12", a rank's "connection closed by peer" after another was killed) would be
-# cut off before it is printed, and the rank named would be the quickest to fail, not the first.
-FAILURE_GRACE_S = 1.0
-
-
-def run_worker_command(registry: str, *command: str) -> None:
-    """A worker's life, in a fork of the fork server (pipeline.forkserver): `mnist-pipeline
-    <command>`, as a fresh `python -m stages <command>` would run it under torchrun. It returns on
-    success (torchrun's agent waits for each worker's return value) and exits non-zero on failure,
-    having printed why, as the command does. `registry`: where the launcher finds its workers."""
-    from stages.cli import main
-
-    forkserver.detach_worker(Path(registry))
-    sys.argv = ["mnist-pipeline", *command]
-    try:
-        main(list(command), prog_name="mnist-pipeline")
-    except SystemExit as done:
-        if done.code in (0, None):
-            return
-        time.sleep(FAILURE_GRACE_S)
-        raise
-    except KeyboardInterrupt:  # outside click's own handling: a failure all the same, never exit 0
-        time.sleep(FAILURE_GRACE_S)
-        raise SystemExit(130) from None
-    except BaseException:  # a bug (no PipelineError): its traceback is the report, as a fresh interpreter's
-        traceback.print_exc()
-        time.sleep(FAILURE_GRACE_S)
-        raise
+        # The workers run the CLI (stages.cli.run_worker_command), named rather than imported: the CLI
+        # imports this stage's module, which imports this one.
+        parallel.launch_workers(nproc, forkserver.run_named, [WORKER_ENTRY, str(registry), *command])
 
 
 def gpu_request(config: Config) -> list[str]:

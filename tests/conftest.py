@@ -95,6 +95,22 @@ def make_project(dest: Path, params: dict | None = None) -> Path:
     return dest
 
 
+def commit_notes(project: Path) -> None:
+    """Two tracked files a patch must carry byte for byte: one in latin-1, one with CRLF line ends."""
+    (project / "notes").mkdir()
+    (project / "notes" / "latin1.txt").write_bytes("Grüße aus Köln\n".encode("latin-1"))
+    (project / "notes" / "crlf.txt").write_bytes(b"one\r\ntwo\r\n")
+    run(["git", "add", "notes"], project)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "notes"], project)
+
+
+def edit_notes(project: Path) -> None:
+    with (project / "notes" / "latin1.txt").open("ab") as handle:
+        handle.write("Grüße auch aus Zürich\n".encode("latin-1"))
+    with (project / "notes" / "crlf.txt").open("ab") as handle:
+        handle.write(b"three\r\n")
+
+
 def write_params(path: Path, **sections: dict) -> Path:
     """The project's params.yaml (every knob, as a params file must hold) with `sections` merged in."""
     merged = yaml.safe_load((ROOT / "params.yaml").read_text())

@@ -21,20 +21,18 @@ def test_queued_and_temp_experiments_land_in_the_projects_store(tmp_path, mnist_
     env = project_env(project, MNIST_SOURCE=str(mnist_dir))
     run(["dvc", "repro"], project, **env)
     commit(project, "baseline")
-    baseline = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
     # Each unlike the default (0.02), and each trains the small slice past the quality gate (at
     # 0.03 it does not, and evaluate fails the experiment, as it should).
     experiments = {"lr-high": "0.015", "lr-low": "0.005"}
-    # Each experiment is queued from code of its own (the second after a commit that changes the
-    # code), and the workspace's code, edited after both, would fail any stage that ran it: each
+    # Each experiment is queued from code of its own (a commit that changes the code), and the
+    # workspace's code, edited after both, would fail any stage that ran it: each
     # runs the code it was queued with, two at a time, and records that code.
     queued_from = {}
     try:
         for name, lr in experiments.items():
-            if name == "lr-low":
-                with (project / "pipeline" / "loop.py").open("a") as handle:
-                    handle.write("# a second version of the code\n")
-                commit(project, "the code, second version")
+            with (project / "pipeline" / "loop.py").open("a") as handle:  # unlike the installed checkout's too
+                handle.write(f"# the code {name} is queued with\n")
+            commit(project, f"the code for {name}")
             queued_from[name] = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
             run(["dvc", "exp", "run", "--queue", "-n", name, "-S", f"train.lr={lr}"], project, **env)
         edited = project / "stages" / "compare.py"

@@ -108,7 +108,7 @@ def parent_of(pid: int) -> int:
 
 
 NO_CUDA_IN_THE_SERVER = REFUSE_CUDA + """
-from pipeline.forkserver import PRELOAD
+from stages.common import WORKER_PRELOAD as PRELOAD
 for modules in PRELOAD.values():
     for module in modules:
         __import__(module)
@@ -132,10 +132,10 @@ def test_a_bug_in_a_worker_shows_its_traceback():
     interpreter would report it: torch's worker wrapper only files it for the agent, and the
     agent's own traceback of it is dropped (pipeline.parallel.launch_workers)."""
     code = ("import multiprocessing, tempfile\n"
-            "from pipeline import parallel\n"
+            "from pipeline import forkserver, parallel\n"
             "from stages import workers\n"
             "multiprocessing.set_forkserver_preload(['tests.boom_stage'])\n"
-            "parallel.launch_workers(1, workers.run_worker_command, [tempfile.mkdtemp(), 'boom'])\n")
+            "parallel.launch_workers(1, forkserver.run_named, [workers.WORKER_ENTRY, tempfile.mkdtemp(), 'boom'])\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env=subprocess_env(), timeout=300)
     assert done.returncode != 0

@@ -1,5 +1,5 @@
 """The import graph of `pipeline` and `stages`, read from the source (every import, at module level
-or inside a function): no cycles, and `pipeline` (the library) never imports `stages` (the CLI and
+or inside a function, and the modules a module imports by name through importlib): no cycles, and `pipeline` (the library) never imports `stages` (the CLI and
 its stages), but for `python -m pipeline`, an entry point that nothing imports."""
 
 import ast
@@ -21,13 +21,19 @@ def modules() -> dict[str, Path]:
 
 
 def imports_of(path: Path, known: set[str]) -> set[str]:
-    """The project modules `path` imports: `import a.b`, `from a import b` (b a module or a name in a)."""
+    """The project modules `path` imports: `import a.b`, `from a import b` (b a module or a name in a),
+    and, in a module that calls importlib's import_module, every project module it names in a string."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    by_name = any(isinstance(node, ast.Attribute) and node.attr == "import_module" or
+                  isinstance(node, ast.Name) and node.id in ("import_module", "__import__") for node in ast.walk(tree))
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        elif by_name and isinstance(node, ast.Constant) and node.value in known:  # import_module("stages.train")
+            names = [node.value]
         else:
             continue
         for name in names:
@@ -62,6 +68,7 @@ def test_the_graph_is_read_from_the_source():
     edges = graph()
     assert "pipeline.config" in edges["stages.train"] and "pipeline.tracking" in edges["stages.train"]
     assert "stages.warm" in edges["stages.entry"]  # an import inside a function counts
+    assert "stages.train" in edges["stages.cli"]  # and a module importlib imports by name
 
 
 def test_no_import_cycles():

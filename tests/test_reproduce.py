@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +14,17 @@ import yaml
 from mlflow import MlflowClient
 
 from pipeline import record
-from tests.conftest import SMALL, free_port, make_project, project_env, run, train_cli, write_tiny_mnist
+from pipeline import reproduce as remake
+from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, commit_notes, edit_notes, free_port, make_project, project_env,
+                            run, subprocess_env, train_cli, write_tiny_mnist)
 
+def gpus_here() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+GPUS_HERE = gpus_here()
 STORE_FILES = ("mlflow.db", "mlflow.db-wal", "mlflow.db-shm", "mlartifacts")  # the store: it takes the new run
 
 
@@ -84,6 +94,8 @@ def test_a_run_from_a_dirty_tree_is_remade_from_its_patch(tmp_path, mnist_dir):
     reproduction could not match."""
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 1}})
     run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    commit_notes(project)
+    edit_notes(project)  # bytes a text round trip would change: the patch must still apply
     model = project / "pipeline" / "model.py"
     model.write_text(model.read_text().replace("nn.Linear(32 * 7 * 7, 128)", "nn.Linear(32 * 7 * 7, 64)")
                      .replace("nn.Linear(128, 10),\n    )\n\n\ndef classic", "nn.Linear(64, 10),\n    )\n\n\ndef classic"))
@@ -146,7 +158,8 @@ def records(trained) -> dict[str, str]:
             "running": made("single", None),
             "no patch": made("single", git_dirty="true"),
             "unknown commit": made("single", git_commit="0123456789abcdef0123456789abcdef01234567"),
-            "gpus": made("ddp", mode="ddp", device_type="cuda", world_size="2")}
+            "gpus": made("ddp", mode="ddp", device_type="cuda", world_size=str(GPUS_HERE + 1)),
+            "no model": made("single")}
 
 
 @pytest.mark.parametrize("case, says", [
@@ -156,7 +169,8 @@ def records(trained) -> dict[str, str]:
     ("running", "is RUNNING"),
     ("no patch", "kept no patch"),
     ("unknown commit", "is not in the repository"),
-    ("gpus", "trained on 2 CUDA device(s); this host has 0"),
+    ("gpus", f"trained on {GPUS_HERE + 1} CUDA device(s); this host has {GPUS_HERE}"),
+    ("no model", "its logged model is not there"),
     ("unknown run", "no such run"),
     ("no store", "does not answer"),
 ])
@@ -188,3 +202,38 @@ def test_weights_digest_is_over_the_tensors_not_the_file(tmp_path):
     assert record.weights_digest(flipped) != digest
     assert record.weights_digest({**{"b.bias" if k == "a.bias" else k: v for k, v in weights.items()}}) != digest
     assert record.weights_digest({**weights, "a.bias": weights["a.bias"].double()}) != digest
+
+
+def test_the_devices_a_run_used_are_read_from_its_record():
+    def used(mode, world, shares):
+        return remake.devices_used(remake.Recorded("r", mode, {"world_size": world}, {"batch_shares": shares}, "", b""))
+
+    assert used("ddp", "24", "6x8/5x16") == 24 and used("single", "1", "128") == 1
+    assert used("dp", "1", "43/43/42") == 3 and used("dp", "1", "6x8/5x16") == 24
+
+
+SOFTWARE_WITHOUT_CUDA = REFUSE_CUDA + """
+from pipeline import record
+facts = record.software()
+print("facts:", sorted(facts))
+print("calls:", calls)
+"""
+
+
+def test_the_software_facts_never_initialise_cuda(tmp_path):
+    """Recorded in every rank, on GPU hosts too, before the rank picks its device: nothing may
+    reach torch's CUDA runtime (torch.backends.cudnn.version() would), nor the driver's cuInit (the
+    stand-in driver logs every call)."""
+    import shutil
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc to build the stand-in driver")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(ROOT / "tests" / "stand_in_libcuda.c")],
+                   check=True)
+    log = tmp_path / "calls"
+    done = subprocess.run([sys.executable, "-c", SOFTWARE_WITHOUT_CUDA], cwd=ROOT, capture_output=True, text=True,
+                          env=subprocess_env(LD_LIBRARY_PATH=str(tmp_path), STAND_IN_CUDA_LOG=str(log)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "calls: []", done.stdout
+    assert "cudnn_version" in done.stdout and "nccl_version" in done.stdout
+    assert "cuInit" not in (log.read_text().split() if log.exists() else [])
