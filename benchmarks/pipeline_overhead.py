@@ -23,7 +23,14 @@ has them at REV, run with this project's virtual environment), the two in turn, 
 fixed costs: whether a change made the pipeline cheaper, measured on the same machine in the same
 hour rather than against a number from another day.
 
-    MNIST_SOURCE=../shared/data/mnist .venv/bin/python benchmarks/pipeline_overhead.py [--repeats 3] [--against REV]
+With `--stand-in-driver`, each repeat also runs this tree on a host with an NVIDIA driver: the
+stand-in `libcuda.so.1` and `libnvidia-ml.so.1` (tests/stand_in_libcuda.c, built with gcc) on
+LD_LIBRARY_PATH, which `import torch` loads as it loads a real one, while the CUDA runtime finds no
+device. With `--no-server`, also with every stage in a process of its own (MNIST_PIPELINE_WARM=0):
+what the warm server saves.
+
+    MNIST_SOURCE=../shared/data/mnist .venv/bin/python benchmarks/pipeline_overhead.py [--repeats 3] \
+        [--against REV] [--stand-in-driver] [--no-server]
 """
 
 from __future__ import annotations
@@ -217,6 +224,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="whole runs; the medians count")
     parser.add_argument("--against", metavar="REV", help="also run this commit's pipeline, in turn with this one")
     parser.add_argument("--imports-only", action="store_true", help="only the import costs, no dvc repro")
+    parser.add_argument("--stand-in-driver", action="store_true", help="also on a host with the stand-in NVIDIA driver")
+    parser.add_argument("--no-server", action="store_true", help="also with every stage in a process of its own")
     args = parser.parse_args()
     if args.imports_only:
         print_import_costs(args.repeats)
@@ -228,19 +237,30 @@ def main() -> None:
     env = {**os.environ, "MNIST_SOURCE": str(source), "DVC_NO_ANALYTICS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     env.pop("MLFLOW_TRACKING_URI", None)  # each copy's own SQLite store, as `make run` has
-    results: dict[str | None, list[dict]] = {None: []} | ({args.against: []} if args.against else {})
+    driver = Path(tempfile.mkdtemp(prefix="stand-in-driver-")) if args.stand_in_driver else None
+    # Each arm: (label, the commit whose files run (None: this tree), what its environment adds).
+    arms = [("this tree", None, {})]
+    if driver:
+        arms.append(("this tree, stand-in driver", None, {"LD_LIBRARY_PATH": str(build_stand_in_driver(driver))}))
+    if args.no_server:
+        arms.append(("this tree, no warm server", None, {"MNIST_PIPELINE_WARM": "0"}))
+    if args.against:
+        arms.append((args.against, args.against, {}))
+    results: dict[str, list[dict]] = {label: [] for label, _, _ in arms}
     for repeat in range(args.repeats):
-        # In turn, the first one changing every repeat: a busier minute falls on both alike.
-        for rev in list(results)[repeat % len(results):] + list(results)[:repeat % len(results)]:
+        # In turn, the first one changing every repeat: a busier minute falls on every arm alike.
+        for label, rev, extra in arms[repeat % len(arms):] + arms[:repeat % len(arms)]:
             with tempfile.TemporaryDirectory(prefix="pipeline-overhead-") as tmp:
                 project = copy_project(Path(tmp), rev)
-                env["PYTHONPATH"] = str(project)
                 unit = torch_unit()
-                results[rev].append(breakdown(project, unit, *timed_repro(project, env)))
-            got = results[rev][-1]
-            print(f"run {repeat + 1}{f' ({rev})' if rev else ''}: {got['wall_s']:.1f} s, loops {got['loops_s']:.1f} s, "
+                results[label].append(breakdown(project, unit, *timed_repro(project, {**env, **extra,
+                                                                                      "PYTHONPATH": str(project)})))
+            got = results[label][-1]
+            print(f"run {repeat + 1} ({label}): {got['wall_s']:.1f} s, loops {got['loops_s']:.1f} s, "
                   f"fixed {got['fixed_s']:.1f} s = {got['units']:.1f} x {unit:.2f} s (import torch)", flush=True)
-    runs = results[None]
+    if driver:
+        shutil.rmtree(driver)
+    runs = results["this tree"]
 
     def median(get, of=runs) -> float:
         return statistics.median(get(run) for run in of)
@@ -260,18 +280,26 @@ def main() -> None:
           f"everything else {median(lambda r: r['fixed_s']):.1f} s; bare `import torch` {median(lambda r: r['unit_s']):.2f} s")
     print(f"fixed cost: {fixed_units:.1f} units (goal at most {GOAL_UNITS}: "
           f"{'met' if fixed_units <= GOAL_UNITS else 'not met'})")
-    if args.against:
-        print(f"\nThis tree against {args.against}, the same repeats in turn (medians of {args.repeats})\n")
-        print("| code | whole dvc repro, s | training loops, s | everything else, s | import torch, s | fixed cost, units |")
-        print("|---|---:|---:|---:|---:|---:|")
-        for rev, got in results.items():
+    if len(arms) > 1:
+        print(f"\nEach arm, the same repeats in turn (medians of {args.repeats})\n")
+        print("| code | whole dvc repro, s | training loops, s | everything else, s | import torch, s | fixed cost, units "
+              "| against this tree |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for label, got in results.items():
             cells = [median(lambda r: r[key], got) for key in ("wall_s", "loops_s", "fixed_s", "unit_s", "units")]
-            print(f"| {rev or 'this tree'} | " + " | ".join(f"{c:.2f}" if i == 3 else f"{c:.1f}"
-                                                        for i, c in enumerate(cells)) + " |")
-        print(f"\nfixed cost, this tree / {args.against}: "
-              f"{median(lambda r: r['units']) / median(lambda r: r['units'], results[args.against]):.2f}")
+            ratio = median(lambda r: r["units"], got) / median(lambda r: r["units"])
+            print(f"| {label} | " + " | ".join(f"{c:.2f}" if i == 3 else f"{c:.1f}" for i, c in enumerate(cells))
+                  + f" | {ratio:.2f} |")
 
     print_import_costs(args.repeats)
+
+def build_stand_in_driver(folder: Path) -> Path:
+    """The stand-in NVIDIA driver's two libraries in `folder` (as tests/conftest.py builds them)."""
+    for library in ("libcuda.so.1", "libnvidia-ml.so.1"):
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / library), str(ROOT / "tests" / "stand_in_libcuda.c")],
+                       check=True)
+    return folder
+
 
 if __name__ == "__main__":
     main()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,7 @@ MECHANISMS = [
     ("deterministic cuDNN/cuBLAS: identical reruns, bit-identical resume", "test_a_resume_on_the_gpu_ends_with_the_uninterrupted_weights_bit_for_bit"),
     ("a run re-made from its MLflow record, bit for bit on the GPUs", "test_a_run_on_the_gpus_is_reproduced_bit_for_bit_from_its_record"),
     ("steady-state throughput after the warm-up steps", "dvc repro (default params, all of MNIST)"),
+    ("the warm server serves every stage where the driver is loaded", "warm server (every stage after prepare)"),
     ("what train.deterministic costs", "train.deterministic cost (single, all of MNIST)"),
     ("the driver floor (CUDA 13.0 wheels: driver 580 or newer)", "the first lines: an older driver fails here"),
 ]
@@ -92,12 +94,13 @@ def run_default_pipeline(work: Path, mnist: Path) -> list[tuple[str, str, str]]:
     project = make_project(work / "pipeline")
     started = time.perf_counter()
     result = subprocess.run(["dvc", "repro"], cwd=project, capture_output=True, text=True,
-                            env=subprocess_env(**project_env(project, MNIST_SOURCE=str(mnist))))
+                            env=subprocess_env(**project_env(project, MNIST_SOURCE=str(mnist), MNIST_PIPELINE_DEBUG="1")))
     wall = time.perf_counter() - started
     if result.returncode != 0:
         print(result.stdout[-4000:], result.stderr[-4000:], sep="\n")
         return [("dvc repro (default params, all of MNIST)", "FAILED", f"exit code {result.returncode}")]
-    rows = [("dvc repro (default params, all of MNIST)", "passed", f"{wall:.0f} s wall time")]
+    rows = [("dvc repro (default params, all of MNIST)", "passed", f"{wall:.0f} s wall time"),
+            warm_row(result.stdout + "\n" + result.stderr)]
     for mode in MODES:
         train = json.loads((project / "results/train" / f"{mode}.json").read_text())
         accuracy = json.loads((project / "results/eval" / f"{mode}.json").read_text())["accuracy"]
@@ -108,6 +111,24 @@ def run_default_pipeline(work: Path, mnist: Path) -> list[tuple[str, str, str]]:
     rows += breakdown_rows(project)
     rows.append(deterministic_cost(project, mnist))
     return rows
+
+
+def warm_row(output: str) -> tuple[str, str, str]:
+    """Whether each stage ran as a fork of the warm server (MNIST_PIPELINE_DEBUG=1 has each client
+    say where its command ran): on a GPU host every stage after prepare must, since `import
+    torch` loads the driver without initialising it (pipeline/driver.py)."""
+    where, stage = {}, None
+    for line in output.splitlines():
+        started = re.match(r"Running stage '([^']+)'", line)
+        if started:
+            stage = started.group(1)
+        elif stage and "a fork of the warm server" in line:
+            where[stage] = "warm"
+        elif stage and "mnist-pipeline: running in this process: " in line:
+            where[stage] = "own process: " + line.split("running in this process: ", 1)[1]
+    cold = {name: how for name, how in where.items() if how != "warm" and name != "prepare"}
+    detail = "; ".join(f"{name}: {how}" for name, how in where.items())
+    return ("warm server (every stage after prepare)", "FAILED" if cold or not where else "passed", detail or "no stage said")
 
 
 def breakdown_rows(project: Path) -> list[tuple[str, str, str]]:

@@ -14,16 +14,18 @@ process group, and exits as the fork did, with its exit code or by its signal. A
 outright takes the fork with it.
 
 A fork is only as good as a fresh process if nothing the stages read at start-up differs. The
-server is therefore keyed (`server_key`) by the Python (its flags, warning and -X options, path),
+server is therefore keyed (`server_key`) by the Python (its flags, -u, warning and -X options, path),
 the working directory, the project's code, the installed distributions and .pth files, matplotlib's
 config files, every environment variable but DVC's own `DVC_*` and the shell's `PWD`, `OLDPWD`,
 `SHLVL` and `_` (passed to the fork instead), the user, the host name, the namespaces (a container,
 an emulated host), the cgroup, the CPUs, the priority and the limits. Anything else starts a
-server of its own; an idle one exits (`IDLE_ENV`, 30 s). Only the user who started a server, from
-the same namespaces, can reach it; a client believes only a process of its user in its namespaces,
-and a name that takes no connection (another user's process holding it) is passed over at once.
-The server forks only for a client whose key is its own, and serves nobody if the project's code
-changed while it imported (the client's key named the code before).
+server of its own. A server ends a few seconds after the processes it served for (the `dvc
+repro`) have, or after `IDLE_ENV` (30 s) idle. Its socket is a file in a folder only its user can
+enter (`private_folder`), named through a secret kept there. Only the user who started a server,
+from the same namespaces, can reach it; a client believes only a process of its user in its
+namespaces, and a name that takes no connection is passed over at once. The server forks only
+for a client whose key is its own, and serves nobody if the project's code changed while it
+imported (the client's key named the code before).
 Where the key cannot be computed, or no server can be had, the command runs in its own process. What still differs from a fresh process: the fork's parent is
 the server, it has no controlling terminal, and it shares the server's string-hash seed.
 
@@ -38,6 +40,8 @@ Imports only the standard library: this is what every stage's client pays.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -46,6 +50,7 @@ import resource
 import select
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -53,7 +58,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import Callable, Iterator, NoReturn
 
 WARM_ENV = "MNIST_PIPELINE_WARM"  # 0: never; 1: for every command; unset: under DVC only
 IDLE_ENV = "MNIST_PIPELINE_WARM_IDLE_S"  # how long a server with nothing to run stays (default 30)
@@ -98,12 +103,16 @@ def main() -> None:
         print(f"mnist-pipeline: running in this process: {why} ({WARM_ENV}=0 skips the server)", file=sys.stderr)
         code = None
     except Unavailable as why:  # nothing ran: the command runs here
-        if os.environ.get("MNIST_PIPELINE_DEBUG", "") not in ("", "0"):
+        if debugging():
             print(f"mnist-pipeline: running in this process: {why}", file=sys.stderr)
         code = None
     if code is None:  # outside the handlers: the command's own errors are not chained to why it runs here
         return cold()
     exit_like(code)
+
+
+def debugging() -> bool:
+    return os.environ.get("MNIST_PIPELINE_DEBUG", "") not in ("", "0")
 
 
 def cold() -> None:
@@ -166,7 +175,7 @@ def exit_code(code: object) -> int:
 
 def wanted(args: list[str]) -> bool:
     """Whether this command goes to a warm server: a stage's command, under DVC (or asked for),
-    on Linux (abstract sockets), never as a worker an outer launcher started."""
+    on Linux, never as a worker an outer launcher started."""
     setting = os.environ.get(WARM_ENV, "")
     if setting == "0" or sys.platform != "linux" or any(key in os.environ for key in LAUNCHER_ENV):
         return False
@@ -184,25 +193,84 @@ def command_of(args: list[str]) -> str | None:
 
 def connect(command: str) -> Client:
     try:
-        address = server_address()
+        key = server_key()
+        address = server_address(key)
+    except Unavailable:
+        raise
     except Exception as exc:  # an editor's lock file, a package half-reinstalled: run here, not fail
         raise Unavailable(f"the warm server's key could not be computed ({type(exc).__name__}: {exc})") from None
     try:
-        return Client(address)
+        return Client(address, key)
     except Unavailable:
         plan = WITHOUT_SERVER.get(command)
         if plan is None:
             raise
-    start_server(address)
+    start_server(address, key)
     if plan == "beside":
         raise Unavailable("the server starts beside this command, for the stages after it")
-    return Client(address)
+    return Client(address, key)
 
 
-def server_address() -> str:
-    # Abstract (no file): it belongs to this network namespace, as an emulated host's own
-    # processes do, and nothing is left on disk when the server ends.
-    return f"\0mnist-pipeline-warm/{os.getuid()}/{server_key()}"
+def server_address(key: str) -> str:
+    """The server's socket: a file in a folder only this user can enter (so no other user can
+    connect to it, take its name or fill its queue), named by the key through a secret kept there:
+    /proc/net/unix shows every socket's path to every user, and the key digests the environment."""
+    folder = private_folder()
+    digest = hashlib.sha256(secret(folder) + key.encode()).hexdigest()[:32]
+    return os.path.join(folder, f"warm-{digest}.sock")
+
+
+def private_folder() -> str:
+    """$XDG_RUNTIME_DIR/mnist-pipeline (systemd's per-user folder), else /tmp/mnist-pipeline-UID:
+    made here when missing; Unavailable unless it is a folder of this user that no one else may
+    enter or write (another user may have made it first, to catch or stall our commands)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    folder = os.path.join(runtime, "mnist-pipeline")
+    if not os.path.isabs(runtime) or len(os.fsencode(folder)) > MAX_FOLDER_BYTES:
+        folder = f"/tmp/mnist-pipeline-{os.getuid()}"
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise Unavailable(f"no private folder for the warm server's socket: {folder}: {exc.strerror}") from None
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise Unavailable(f"{folder} is not this user's private folder (owner uid {info.st_uid}, mode "
+                          f"{stat.filemode(info.st_mode)}): remove it, and the next command makes it again")
+    return folder
+
+
+# A socket's path has at most 107 bytes (sun_path); the name in the folder takes 43 of them.
+MAX_FOLDER_BYTES = 107 - len("/warm-.sock") - 32
+
+
+def secret(folder: str) -> bytes:
+    """32 random bytes kept in `folder` (made by whichever command needs them first)."""
+    path = os.path.join(folder, "secret")
+    try:
+        with open(path, "rb") as kept:
+            return kept.read()
+    except FileNotFoundError:
+        pass
+    draft = f"{path}.{os.getpid()}"
+    with open(os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as made:
+        made.write(os.urandom(32))
+    try:
+        os.link(draft, path)  # all of it or nothing, and the first one made stays
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(draft)
+    with open(path, "rb") as kept:
+        return kept.read()
+
+
+def unbuffered() -> bool:
+    """Whether this Python runs with -u (or PYTHONUNBUFFERED), which sys.flags does not say: its
+    standard streams then write through to unbuffered files."""
+    stream = sys.__stdout__ or sys.__stderr__
+    return type(getattr(stream, "buffer", None)).__name__ == "FileIO"
 
 
 def per_command(name: str) -> bool:
@@ -214,11 +282,12 @@ def server_key() -> str:
     starts, and so everything a fork of the server must share with this process."""
     facts = {
         "protocol": PROTOCOL,
-        "python": [sys.executable, sys.version, repr(sys.flags), sys.warnoptions, sys._xoptions,
+        "python": [sys.executable, sys.version, repr(sys.flags), unbuffered(), sys.warnoptions, sys._xoptions,
                    [os.path.abspath(p) for p in sys.path]],
         "cwd": os.getcwd(),  # read on import (a matplotlibrc here, multiprocessing's ORIGINAL_DIR)
         "code": code_digest(),
         "packages": installed(),
+        "outside": outside_code(),
         "config": [config_stamp(path) for path in matplotlib_configs()],  # read when matplotlib loads
         "env": sorted((k, v) for k, v in os.environ.items() if not per_command(k)),
         "user": [os.getuid(), os.geteuid(), os.getgid(), os.getegid(), sorted(os.getgroups())],
@@ -233,13 +302,24 @@ def server_key() -> str:
 def code_digest() -> str:
     """The project's own code as it is on disk: an edit starts a new server."""
     digest = hashlib.sha256()
+    for folder in package_folders():
+        for path in sorted(Path(folder).rglob("*.py")):
+            if path.is_file():  # not an editor's lock file (.#model.py, a link to nowhere)
+                digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def package_folders() -> list[str]:
+    """The folders of the project's packages, `pipeline` and `stages`, as an import finds them."""
+    found = []
     for package in ("pipeline", "stages"):
         spec = importlib.util.find_spec(package)
-        for folder in (spec.submodule_search_locations or []) if spec else []:
-            for path in sorted(Path(folder).rglob("*.py")):
-                if path.is_file():  # not an editor's lock file (.#model.py, a link to nowhere)
-                    digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
+        found.extend((spec.submodule_search_locations or []) if spec else [])
+    return found
+
+
+def project_folders() -> list[str]:
+    return [os.path.dirname(os.path.abspath(folder)) for folder in package_folders()]
 
 
 def installed() -> list[str]:
@@ -249,11 +329,40 @@ def installed() -> list[str]:
     for folder in sys.path:
         if folder.endswith(("site-packages", "dist-packages")) and os.path.isdir(folder):
             for name in sorted(os.listdir(folder)):
-                if name.endswith((".dist-info", ".egg-info")):
-                    found.append(name)
+                if name.endswith((".dist-info", ".egg-info")):  # a reinstall of one version rewrites its RECORD
+                    found.append(name + "\0" + repr(config_stamp(os.path.join(folder, name, "RECORD"))[1:]))
                 elif name.endswith(".pth"):
                     found.append(name + "\0" + read(os.path.join(folder, name)))
     return found
+
+
+def outside_code() -> list:
+    """Every module file a fresh process could import from outside the standard library, the
+    installed distributions and the project's own packages (code_digest): what `PYTHONPATH` or a
+    .pth file adds. Stamped by size and modification time, as Python's own caches check them."""
+    stamps = []
+    skip = {os.path.abspath(p) for p in (os.getcwd(), *stdlib_folders(), *project_folders())}
+    for entry in sys.path:
+        folder = os.path.abspath(entry or ".")
+        if folder in skip or folder.endswith(("site-packages", "dist-packages")) or not os.path.isdir(folder):
+            continue
+        skip.add(folder)
+        for root, dirs, files in os.walk(folder):
+            dirs[:] = sorted(d for d in dirs if d.isidentifier())  # a package's name is one
+            stamps.extend([os.path.join(root, name), *config_stamp(os.path.join(root, name))[1:]]
+                          for name in sorted(files) if name.endswith((".py", ".so", ".pth")))
+            if len(stamps) > MAX_OUTSIDE_FILES:
+                raise Unavailable(f"{folder} (on sys.path) holds over {MAX_OUTSIDE_FILES} module files to key")
+    return stamps
+
+
+MAX_OUTSIDE_FILES = 20000
+
+
+def stdlib_folders() -> list[str]:
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    return [os.path.join(prefix, "lib", version, sub) for prefix in {sys.base_prefix, sys.base_exec_prefix}
+            for sub in ("", "lib-dynload")]
 
 
 def matplotlib_configs() -> list[str]:
@@ -289,31 +398,107 @@ def read(path: str) -> str:
         return ""
 
 
-def start_server(address: str) -> None:
+def start_server(address: str, key: str) -> None:
     """Bind the server's socket here (so a client can connect at once and wait while it imports),
     and start the server on it, in a session of its own, holding none of this process's files: a
-    test or a CI step that reads this command's output to its end does not wait for the server."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    test or a CI step that reads this command's output to its end does not wait for the server.
+    What it needs (its key, sys.path, who it serves) goes through a pipe, not its command line,
+    which `ps` shows to every user."""
     try:
-        listener.bind(address)
-    except OSError:  # another command started one a moment ago
-        listener.close()
-        return
-    listener.listen(16)
-    path = [os.path.abspath(p) for p in sys.path]
-    code = f"import sys; sys.path[:] = {path!r}; from stages.warm_server import serve; serve({listener.fileno()})()"
-    flags = subprocess._args_from_interpreter_flags()  # -X, -W, -O, ... as this interpreter has them
+        with locked(address):
+            if listening(address):  # another command started one a moment ago
+                return
+            launch(address, key)
+    except OSError as exc:  # a full disk, no processes left for this user: the command runs here
+        raise Unavailable(f"the warm server could not be started ({exc})") from None
+
+
+def launch(address: str, key: str) -> None:
+    """Bind `address` (the lock held) and start the server on it."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(address)  # a server killed outright leaves its socket's file behind
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     with listener:
-        subprocess.Popen([sys.executable, *flags, "-c", code], pass_fds=[listener.fileno()], start_new_session=True,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        listener.bind(address)
+        listener.listen(16)
+        config = {"key": key, "path": [os.path.abspath(p) for p in sys.path], "address": address,
+                  "inode": os.stat(address).st_ino, "sponsor": sponsor(), "listener": listener.fileno()}
+        flags = subprocess._args_from_interpreter_flags()  # -X, -W, -O, ... as this interpreter has them
+        if unbuffered():  # -u, which that list leaves out
+            flags.append("-u")
+        server = subprocess.Popen([sys.executable, *flags, "-c", SERVER_CODE, os.getcwd()], pass_fds=[listener.fileno()],
+                                  start_new_session=True, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        with server.stdin:
+            server.stdin.write(json.dumps(config).encode() + b"\n")
+
+
+# The server's command line: what it is given comes on its standard input. (Its last argument,
+# the folder it serves, leaves room for the name `ps` shows, warm_server.name_process.)
+SERVER_CODE = ("import json, sys; config = json.loads(sys.stdin.readline()); sys.path[:] = config['path']; "
+               "from stages.warm_server import serve; serve(config)()")
+
+
+@contextlib.contextmanager
+def locked(address: str) -> Iterator[None]:
+    """The lock a server holds while it starts or removes its socket's file (one for the folder:
+    held for moments, and no lock file left per key)."""
+    fd = os.open(os.path.join(os.path.dirname(address), "lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def listening(address: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(CONNECT_TIMEOUT_S)
+        try:
+            probe.connect(address)
+        except (TimeoutError, BlockingIOError):
+            return True  # held, if by no server that will answer: never removed from under it
+        except OSError:
+            return False
+    return True
+
+
+def sponsor() -> list[int] | None:
+    """The process this command runs for (DVC, a queue's worker, a script; not the shell between):
+    its pid and start time. A server ends soon after its sponsors all have."""
+    pid = os.getppid()
+    for _ in range(4):
+        if read(f"/proc/{pid}/comm").strip() not in SHELLS:
+            started = start_time(pid)
+            return [pid, started] if started is not None else None
+        pid = parent_pid(pid)
+    return None
+
+
+SHELLS = {"sh", "dash", "bash", "zsh", "ksh", "fish", "busybox"}
+
+
+def start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot): with the pid, names one process for good."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def parent_pid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 class Client:
     """One command run by the server: what this process sends it, and how it stands in for the
     fork it runs the command in."""
 
-    def __init__(self, address: str) -> None:
-        self._key = address.rsplit("/", 1)[-1]  # what this process would start a server for
+    def __init__(self, address: str, key: str = "") -> None:
+        self._key = key  # what this process would start a server for
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(CONNECT_TIMEOUT_S)
         try:
@@ -331,8 +516,8 @@ class Client:
         if uid != os.getuid():  # someone else's process holds the name: send it nothing
             self._sock.close()
             raise Unavailable(f"the warm server's socket belongs to uid {uid}, not this user")
-        # Nor to a process of this user in another container that shares the network (and so the
-        # abstract name): it would get this command's streams, and its exit code would be believed.
+        # Nor to a process of this user in another container that shares this folder: it would get
+        # this command's streams, and its exit code would be believed.
         # (Its pid is 0 here when it is in another PID namespace.)
         if not same_namespaces(self._server_pid):
             self._sock.close()
@@ -350,10 +535,11 @@ class Client:
         ready = self._wait_ready()
         if not ready.get("ready"):
             raise Refused(ready.get("error", "the warm server is not ready"))
+        self._server_pid = ready.get("pid", self._server_pid)  # not this process, if it listened first
         # What a fresh process would inherit from this one: the signals it ignores (nohup, a
         # background job of a script) and blocks stay so in the fork, and are not passed on.
         ignored = [int(sig) for sig in signal.Signals if signal.getsignal(sig) == signal.SIG_IGN]
-        request = {"key": self._key, "argv": argv, "prog": program_name(), "cwd": os.getcwd(), "umask": current_umask(),
+        request = {"key": self._key, "sponsor": sponsor(), "argv": argv, "prog": program_name(), "cwd": os.getcwd(), "umask": current_umask(),
                    "path": sys.path, "env": {k: v for k, v in os.environ.items() if per_command(k)},
                    "ignored": ignored, "blocked": sorted(int(sig) for sig in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
         with stdio_fds() as fds:
@@ -371,6 +557,9 @@ class Client:
             if "pid" not in started:  # said before any fork: nothing ran
                 raise Refused(started.get("error", "the warm server refused the command"))
             self._pid = started["pid"]
+            if debugging():
+                print(f"mnist-pipeline: runs in process {self._pid}, a fork of the warm server (process "
+                      f"{self._server_pid})", file=sys.stderr)
             for sig in self._pending:
                 self._forward(sig, None)
             try:

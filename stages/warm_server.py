@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Callable
 
 from stages import warm
@@ -38,15 +39,21 @@ PRELOAD = ("pipeline.tracking",  # first: its MLflow settings come before MLflow
            "stages.cli", "stages.prepare", "stages.commcheck", "stages.train", "stages.evaluate", "stages.compare",
            "stages.send_runs", "stages.rendezvous_check")
 DEFAULT_IDLE_S = 30.0
+LINGER_S = 5.0  # once its sponsors ended: a script's next `dvc repro` in the same folder finds it
 
 
-def serve(listener_fd: int) -> Callable[[], None]:
-    """The server's life. Returns only in a fork, with the command that fork is to run."""
+def serve(config: dict) -> Callable[[], None]:
+    """The server's life (`config`: what warm.start_server says). Returns only in a fork, with the
+    command that fork is to run."""
+    listener_fd, own_key = config["listener"], config["key"]
+    name_process(["mnist-pipeline", "warm-server", os.getcwd()])
+    stdin = os.open(os.devnull, os.O_RDONLY)  # the pipe the config came through is done with
+    os.dup2(stdin, 0)
+    os.close(stdin)
     # Listening again makes this process the one the kernel names to each client that connects
     # (SO_PEERCRED), so a client waiting for the imports can see whether the server is stopped.
     relisten = socket.socket(fileno=listener_fd)
     relisten.listen(16)
-    own_key = key_of(relisten.getsockname())
     relisten.detach()
     code = warm.code_digest()
     problem = preload()
@@ -78,18 +85,25 @@ def serve(listener_fd: int) -> Callable[[], None]:
     with socket.socket(fileno=listener_fd) as listener, selectors.DefaultSelector() as selector:
         selector.register(listener, selectors.EVENT_READ)
         selector.register(wake_r, selectors.EVENT_READ)
+        sponsors = Sponsors(selector)
+        sponsors.add(config.get("sponsor"))
         idle_since = time.monotonic()
         while True:
             if stopping and listener.fileno() >= 0:
                 selector.unregister(listener)
                 listener.close()
             busy = bool(running or waiting)
-            if not busy and (stopping or time.monotonic() - idle_since >= idle_s):
+            # Idle, it waits IDLE_ENV for a next command; a little while only once every process it
+            # served for (the `dvc repro`) has ended.
+            wait_s = LINGER_S if sponsors.all_gone() else idle_s
+            if not busy and (stopping or time.monotonic() - idle_since >= wait_s):
                 break
-            timeout = None if busy or stopping else idle_since + idle_s - time.monotonic()
+            timeout = None if busy or stopping else idle_since + wait_s - time.monotonic()
             for key, _ in selector.select(timeout):
                 conn = key.fileobj
-                if conn is listener:
+                if key.data is Sponsors:
+                    sponsors.ended(conn)
+                elif conn is listener:
                     conn = accept(listener, problem)
                     if conn is not None:
                         waiting.add(conn)
@@ -107,6 +121,8 @@ def serve(listener_fd: int) -> Callable[[], None]:
                 elif conn in waiting:
                     waiting.discard(conn)
                     request = receive(conn, startup_path, own_key)
+                    if isinstance(request, tuple):
+                        sponsors.add(request[0].get("sponsor"))
                     pid = fork(conn, request) if isinstance(request, tuple) else None
                     if pid == 0:  # the command's process: leave the server behind, as it is
                         signal.set_wakeup_fd(-1)
@@ -134,6 +150,7 @@ def serve(listener_fd: int) -> Callable[[], None]:
                         gone.add(conn)  # reaped like any fork, on its SIGCHLD
             if running or waiting:
                 idle_since = time.monotonic()
+        remove_own_file(config["address"], config["inode"])
     sys.stdout.flush()
     atexit._run_exitfuncs()  # what the imports registered for the server's own files (matplotlib's cache)
     os._exit(0)
@@ -197,17 +214,54 @@ def accept(listener: socket.socket, problem: str | None) -> socket.socket | None
         conn.close()
         return None
     if not send(conn, {"error": f"the warm server cannot serve: {problem.strip().splitlines()[-1]}"} if problem
-                else {"ready": True}) \
+                else {"ready": True, "pid": os.getpid()}) \
             or problem:
         conn.close()
         return None
     return conn
 
 
-def key_of(name: str | bytes) -> str:
-    """The key in the server's socket name (warm.server_address)."""
-    text = name.decode(errors="replace") if isinstance(name, bytes) else name
-    return text.rsplit("/", 1)[-1]
+class Sponsors:
+    """The processes the server's commands ran for (warm.sponsor), each watched through a pidfd
+    that becomes readable when it ends."""
+
+    def __init__(self, selector: selectors.BaseSelector) -> None:
+        self._selector = selector
+        self._watched: dict[int, int] = {}  # pid -> pidfd
+        self._seen = False
+
+    def add(self, sponsor: list[int] | None) -> None:
+        if not sponsor or sponsor[0] in self._watched:
+            return
+        pid, started = sponsor
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:  # ended already (or no pidfds here): nothing to wait for
+            return
+        if warm.start_time(pid) != started:  # the pid names another process now
+            os.close(pidfd)
+            return
+        self._watched[pid] = pidfd
+        self._seen = True
+        self._selector.register(pidfd, selectors.EVENT_READ, Sponsors)
+
+    def ended(self, pidfd: int) -> None:
+        self._selector.unregister(pidfd)
+        os.close(pidfd)
+        self._watched = {pid: fd for pid, fd in self._watched.items() if fd != pidfd}
+
+    def all_gone(self) -> bool:
+        return self._seen and not self._watched
+
+
+def remove_own_file(address: str, inode: int) -> None:
+    """Remove the socket's file, unless another server's has replaced it (warm.start_server)."""
+    with warm.locked(address):
+        try:
+            if os.stat(address).st_ino == inode:
+                os.unlink(address)
+        except FileNotFoundError:
+            pass
 
 
 def receive(conn: socket.socket, startup_path: list[str], own_key: str) -> tuple[dict, list[int]] | str | None:
@@ -284,10 +338,12 @@ def run_command(request: dict, fds: list[int]) -> None:
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.SIGHUP not in request["ignored"]:
+        signal.signal(signal.SIGHUP, hang_up)
     for sig in request["ignored"]:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
-    name_process(b"mnist-pipeline")
+    name_process(["mnist-pipeline", *request["argv"][1:]])
     # Exit handlers that remove what the server made for itself (matplotlib's cache folder, when
     # its own is not writable) are the server's: the first fork to end would remove it from all.
     atexit.unregister(shutil.rmtree)
@@ -298,7 +354,8 @@ def run_command(request: dict, fds: list[int]) -> None:
     os.environ.update(request["env"])
     sys.path[:] = request["path"]
     sys.argv = request["argv"]
-    sys.stdout.reconfigure(line_buffering=os.isatty(1))  # as Python sets it up for what fd 1 is
+    # As Python sets it up for what fd 1 is, and for -u (the server has the client's -u).
+    sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=warm.unbuffered())
     if "numpy" in sys.modules:  # numpy's global generator, seeded from the OS in a fresh process
         sys.modules["numpy"].random.seed()
     from stages import cli
@@ -316,11 +373,33 @@ def run_command(request: dict, fds: list[int]) -> None:
     cli.main(args=args, prog_name=request["prog"])
 
 
-def name_process(name: bytes) -> None:
-    """What `ps -o comm`, top and the OOM killer's report call the process (prctl PR_SET_NAME)."""
+def hang_up(signum: int, frame) -> None:
+    """SIGHUP in a fork: its client's terminal hung up, or the server died while the command was
+    stopped (Ctrl-Z), and the kernel hangs up the orphaned process group. Either way the command
+    ends as SIGTERM ends it, its runs FAILED, not killed where it stands (and where SIGTERM would
+    kill it, SIGHUP does)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    if handler is signal.SIG_IGN:  # ending already (pipeline.lifecycle): let the cleanup finish
+        return
+    if callable(handler):
+        handler(signal.SIGTERM, frame)
+        return
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGHUP)
+
+
+def name_process(args: list[str]) -> None:
+    """What `ps`, `pgrep -f`, top and nvidia-smi show for this process: `args`, written over the
+    command line the process started with (as setproctitle does; as long as it fits), and its
+    short name (prctl PR_SET_NAME, what `ps -o comm` and the OOM killer's report say)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)
-    except (OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, ctypes.c_char_p(args[0].encode()[:15]), 0, 0, 0)
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (fields 48 and 49)
+        title = "\0".join(args).encode(errors="replace")[:end - start - 1]
+        ctypes.memmove(start, title + b"\0" * (end - start - len(title)), end - start)
+    except (OSError, AttributeError, ValueError, IndexError):
         pass

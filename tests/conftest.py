@@ -271,6 +271,22 @@ def first_epoch_run(project: Path, mode: str, proc: subprocess.Popen, timeout: f
 # DDP fork server, the warm server): every CUDA call torch could make on its way to initialising
 # the driver (cuInit), which a fork would inherit broken, is made to fail loudly and is noted in
 # `calls`, which the script prints last.
+def build_stand_in_driver(folder: Path) -> Path:
+    """`folder` with a stand-in NVIDIA driver (tests/stand_in_libcuda.c: one device, every call
+    logged with its pid to $STAND_IN_CUDA_LOG) as libcuda.so.1 and libnvidia-ml.so.1, for
+    LD_LIBRARY_PATH; skips the test where there is no gcc."""
+    import shutil
+
+    import pytest
+
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc to build the stand-in driver")
+    for library in ("libcuda.so.1", "libnvidia-ml.so.1"):
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / library), str(ROOT / "tests" / "stand_in_libcuda.c")],
+                       check=True)
+    return folder
+
+
 REFUSE_CUDA = """
 import torch
 

@@ -15,8 +15,8 @@ from mlflow import MlflowClient
 
 from pipeline import record
 from pipeline import reproduce as remake
-from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, commit_notes, edit_notes, free_port, make_project, project_env,
-                            run, subprocess_env, train_cli, write_tiny_mnist)
+from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, build_stand_in_driver, commit_notes, edit_notes, free_port,
+                            make_project, project_env, run, subprocess_env, train_cli, write_tiny_mnist)
 
 def gpus_here() -> int:
     import torch
@@ -224,12 +224,7 @@ def test_the_software_facts_never_initialise_cuda(tmp_path):
     """Recorded in every rank, on GPU hosts too, before the rank picks its device: nothing may
     reach torch's CUDA runtime (torch.backends.cudnn.version() would), nor the driver's cuInit (the
     stand-in driver logs every call)."""
-    import shutil
-
-    if shutil.which("gcc") is None:
-        pytest.skip("no gcc to build the stand-in driver")
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(ROOT / "tests" / "stand_in_libcuda.c")],
-                   check=True)
+    build_stand_in_driver(tmp_path)
     log = tmp_path / "calls"
     done = subprocess.run([sys.executable, "-c", SOFTWARE_WITHOUT_CUDA], cwd=ROOT, capture_output=True, text=True,
                           env=subprocess_env(LD_LIBRARY_PATH=str(tmp_path), STAND_IN_CUDA_LOG=str(log)))

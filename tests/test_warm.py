@@ -6,11 +6,13 @@ and a new server wherever a fresh process would read something else."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,33 +21,24 @@ from typing import Iterator
 import pytest
 from mlflow import MlflowClient
 
-from stages import warm
-from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, ddp_worker_pids, first_epoch_run, make_project, project_env,
-                            run, subprocess_env)
-
-SERVER_CODE = "from stages.warm_server import serve"
-
+from stages import warm, warm_server
+from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, build_stand_in_driver, ddp_worker_pids, first_epoch_run,
+                            make_project, project_env, run, subprocess_env)
 
 def servers_for(project: Path) -> list[int]:
-    """The warm servers running this project's code (their sys.path names the copy): not their
-    forks, which show the same command line."""
+    """The warm servers started in this project's folder or below: `mnist-pipeline warm-server
+    FOLDER` in `ps` (or, the moment before it names itself, the command line it started with)."""
     found = []
     for proc in Path("/proc").iterdir():
         try:
-            command = (proc / "cmdline").read_bytes().decode() if proc.name.isdigit() else ""
+            args = (proc / "cmdline").read_bytes().rstrip(b"\0").split(b"\0") if proc.name.isdigit() else []
         except OSError:
             continue
-        if SERVER_CODE in command and f"'{project}'" in command:
-            found.append(int(proc.name))
-    return [pid for pid in found if parent_of(pid) not in found]
-
-
-def parent_of(pid: int) -> int | None:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+        if args[:2] == [b"mnist-pipeline", b"warm-server"] or warm.SERVER_CODE.encode() in args:
+            folder = Path(os.fsdecode(args[-1]))
+            if folder == project or project in folder.parents:
+                found.append(int(proc.name))
+    return found
 
 
 def children_of(pid: int) -> list[int]:
@@ -63,13 +56,14 @@ def alive(pid: int) -> bool:
 
 
 def listening_address(pid: int) -> str:
-    """The abstract address of the socket the server listens on (its fd 3, as the client passed it)."""
-    inode = os.readlink(f"/proc/{pid}/fd/3").removeprefix("socket:[").removesuffix("]")
+    """The path of the socket the server listens on (the listening one among its descriptors)."""
+    inodes = {os.readlink(fd).removeprefix("socket:[").removesuffix("]") for fd in Path(f"/proc/{pid}/fd").iterdir()
+              if os.readlink(fd).startswith("socket:[")}
     for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
         fields = line.split()
-        if fields[6] == inode:
-            return "\0" + fields[7][1:]  # shown with @ for the leading NUL
-    raise AssertionError(f"no socket {inode} in /proc/net/unix")
+        if fields[6] in inodes and fields[3] == "00010000" and len(fields) > 7:  # __SO_ACCEPTCON: listening
+            return fields[7]
+    raise AssertionError(f"no listening socket of process {pid} in /proc/net/unix")
 
 
 def stop_servers(project: Path) -> None:
@@ -114,18 +108,39 @@ def warm_env(project: Path, **extra: str) -> dict[str, str]:
     return subprocess_env(**project_env(project, MNIST_PIPELINE_WARM="1", MNIST_PIPELINE_DEBUG="1", **extra))
 
 
-def test_a_dvc_repro_runs_every_stage_but_the_first_in_one_server(tmp_path, mnist_dir):
+def test_a_dvc_repro_runs_every_stage_but_the_first_in_one_server(tmp_path, mnist_dir, stand_in_driver):
+    """On a host with an NVIDIA driver (the stand-in: no device the CUDA runtime can use) too, which
+    `import torch` loads: the server never calls into it, each stage's fork does as it needs."""
     project = make_project(tmp_path / "proj", SMALL)
+    log = tmp_path / "driver-calls"
     try:
-        done = run(["dvc", "repro"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir),
-                                                            MNIST_PIPELINE_DEBUG="1"))
+        done = run(["dvc", "repro"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir), MNIST_PIPELINE_DEBUG="1",
+                                                            LD_LIBRARY_PATH=str(stand_in_driver),
+                                                            STAND_IN_CUDA_LOG=str(log)))
         # prepare runs in its own process while the server imports beside it; every later stage,
         # whatever DVC wrote in between, finds that same server (one key for the whole run).
         fallbacks = [line for line in done.stdout.splitlines() + done.stderr.splitlines()
                      if "running in this process" in line]
         assert fallbacks == ["mnist-pipeline: running in this process: the server starts beside this command, "
                              "for the stages after it"], done.stdout[-3000:]
-        assert len(servers_for(project)) == 1
+        # What `make gpu-check` reports of the same output on a GPU host.
+        from scripts.gpu_check import warm_row
+
+        name, outcome, detail = warm_row(done.stdout + "\n" + done.stderr)
+        assert outcome == "passed" and "prepare: own process" in detail and "train@ddp: warm" in detail, detail
+        servers = set(re.findall(r"a fork of the warm server \(process (\d+)\)", done.stdout + done.stderr))
+        assert len(servers) == 1, done.stdout[-3000:]
+        # It was started for this `dvc repro`, and ends soon after it, not after its idle time (30 s).
+        (server,) = servers
+        calls = [line.split() for line in log.read_text().splitlines()]
+        # The forks used the driver (train.device: auto); the server only asked whether it was
+        # initialised (pipeline/driver.py), which initialises nothing.
+        assert {pid for pid, _ in calls} - {server}, calls
+        assert {call for pid, call in calls if pid == server} <= {"cuDeviceGetCount", "nvmlDeviceGetCount_v2"}, calls
+        deadline = time.monotonic() + warm_server.LINGER_S + 10
+        while alive(int(server)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(int(server)) and not servers_for(project)
         for mode in ("single", "dp", "ddp"):
             assert (project / "models" / mode / "model.pt").is_file()
         assert (project / "reports" / "comparison.md").is_file()
@@ -177,9 +192,15 @@ def test_signals_reach_the_ddp_training_and_its_workers_are_forks_of_forks(serve
         assert len(forks) == 1
         workers = ddp_worker_pids(forks[0])
         assert sorted(workers) == [0, 1]
-        server_command = Path(f"/proc/{server}/cmdline").read_bytes()
-        for pid in workers.values():
-            assert Path(f"/proc/{pid}/cmdline").read_bytes() == server_command
+        # Each shows in `ps` as its command (written over the server's command line), the workers too.
+        for pid in [forks[0], *workers.values()]:
+            assert Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:4] == \
+                [b"mnist-pipeline", b"train", b"--mode", b"ddp"]
+            assert Path(f"/proc/{pid}/comm").read_text().strip() == "mnist-pipeline"
+        found = subprocess.run(["pgrep", "-f", "^mnist-pipeline train --mode ddp"], capture_output=True, text=True)
+        assert {forks[0], *workers.values()} <= {int(pid) for pid in found.stdout.split()}  # and the DDP fork server
+        assert Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0")[:3] == \
+            [b"mnist-pipeline", b"warm-server", str(project).encode()]
         client.send_signal(signal.SIGINT)
         _, stderr = client.communicate(timeout=120)
     assert client.returncode in (130, -signal.SIGINT), stderr[-3000:]  # the launcher's exit on Ctrl-C
@@ -223,6 +244,47 @@ def test_a_client_killed_outright_takes_its_command_with_it(served):
         assert not alive(forks[0])
         time.sleep(1)
         assert servers_for(project) == [server]  # it reaped the fork and serves on
+
+
+def test_a_job_wide_sigterm_ends_the_runs_failed(served):
+    """`scancel`, `systemctl stop`: SIGTERM reaches the client and the command at once, and the
+    client passes it on too; the second must not cut short the first's cleanup."""
+    project = served
+    with long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as client:
+        parent = first_epoch_run(project, "single", client, timeout=300)
+        assert parent is not None
+        (server,) = servers_for(project)
+        (fork,) = [pid for pid in children_of(server) if alive(pid)]
+        os.killpg(fork, signal.SIGTERM)
+        client.send_signal(signal.SIGTERM)
+        _, stderr = client.communicate(timeout=120)
+    assert client.returncode in (143, -signal.SIGTERM), stderr[-2000:]
+    store = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    ranks = store.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert ranks and {run.info.status for run in [store.get_run(parent.info.run_id), *ranks]} == {"FAILED"}
+
+
+def test_a_stopped_command_whose_server_dies_still_ends_its_runs(served):
+    """Ctrl-Z, then the server is killed: the kernel hangs up the command's orphaned, stopped
+    group (SIGHUP, SIGCONT); the command ends as SIGTERM ends it, its run FAILED, not RUNNING."""
+    project = served
+    with long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as client:
+        parent = first_epoch_run(project, "single", client, timeout=300)
+        assert parent is not None
+        (server,) = servers_for(project)
+        (fork,) = [pid for pid in children_of(server) if alive(pid)]
+        client.send_signal(signal.SIGTSTP)
+        assert wait_for_state(client.pid, "T") and wait_for_state(fork, "T")
+        os.kill(server, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and alive(fork):
+            time.sleep(0.2)
+        assert not alive(fork)
+        client.send_signal(signal.SIGCONT)
+        _, stderr = client.communicate(timeout=60)
+    assert client.returncode == 1 and "is not known" in stderr, stderr[-2000:]
+    run = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_run(parent.info.run_id)
+    assert run.info.status == "FAILED"
 
 
 def wait_for_state(pid: int, *states: str, timeout: float = 20) -> bool:
@@ -311,8 +373,11 @@ def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
     (server,) = [pid for pid in servers_for(project) if
                  f"{warm.IDLE_ENV}=3".encode() in Path(f"/proc/{pid}/environ").read_bytes()]
     address = listening_address(server)
-    assert address.startswith("\0mnist-pipeline-warm/")
-    if os.geteuid() == 0:  # another user connects: the server says nothing and hangs up
+    assert Path(address).parent == Path(f"/tmp/mnist-pipeline-{os.getuid()}")
+    assert Path(address).parent.stat().st_mode & 0o777 == 0o700
+    # The name says nothing of the environment (/proc/net/unix shows it to every user): not the key.
+    assert warm.server_key() not in address
+    if os.geteuid() == 0:  # another user cannot reach the socket at all
         pid = os.fork()
         if pid == 0:
             code = 2
@@ -320,9 +385,11 @@ def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
                 os.setgid(65534)
                 os.setuid(65534)
                 with socket.socket(socket.AF_UNIX) as other:
-                    other.settimeout(20)
-                    other.connect(address)
-                    code = 0 if other.recv(100) == b"" else 1
+                    try:
+                        other.connect(address)
+                        code = 1
+                    except PermissionError:
+                        code = 0
             finally:
                 os._exit(code)
         assert os.waitpid(pid, 0)[1] == 0
@@ -338,15 +405,47 @@ def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
     while time.monotonic() < deadline and alive(server):
         time.sleep(0.2)
     assert not alive(server)
+    assert not Path(address).exists()  # it removed its socket's file
     with pytest.raises(OSError):
         socket.socket(socket.AF_UNIX).connect(address)
 
 
+def test_a_private_folder_that_is_not_private_runs_the_command_in_its_own_process(served, request):
+    """Another user made the folder first (to catch or stall our commands), or it is open to all:
+    no server is started or asked, and the command runs at once in its own process."""
+    runtime = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: a socket's path has at most 107 bytes
+    request.addfinalizer(lambda: shutil.rmtree(runtime))
+    folder = runtime / "mnist-pipeline"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    cases = [("mode drwxrwxrwx", lambda: None)]
+    if os.geteuid() == 0:
+        cases.append(("owner uid 65534", lambda: (folder.chmod(0o700), os.chown(folder, 65534, 65534))))
+    for said, make in cases:
+        make()
+        env = warm_env(served, XDG_RUNTIME_DIR=str(runtime))
+        done = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", "missing.yaml"], cwd=served,
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 1 and "missing.yaml: not found" in done.stderr, done.stderr
+        (said_why,) = [line for line in done.stderr.splitlines() if "running in this process" in line]
+        assert f"{folder} is not this user's private folder (" in said_why and said in said_why, done.stderr
+        assert not servers_for(served) and os.listdir(folder) == []
+    if os.geteuid() == 0:  # and the right folder, once the wrong one is gone, is made and used
+        shutil.rmtree(folder)
+        env = warm_env(served, XDG_RUNTIME_DIR=str(runtime))
+        done = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", "missing.yaml"], cwd=served,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert "a fork of the warm server" in done.stderr, done.stderr
+        assert folder.stat().st_uid == os.getuid() and folder.stat().st_mode & 0o777 == 0o700
+        assert len(list(folder.glob("warm-*.sock"))) == 1
+
+
 def test_a_client_sends_nothing_to_another_users_server(monkeypatch):
-    """Another user holding the name of this user's server (after it ended) gets no command."""
+    """Another user holding a name this user's client connects to gets no command (the private
+    folder keeps others from its names; this holds where a folder's checks could be fooled)."""
     if os.geteuid() != 0:
         pytest.skip("needs root to be another user")
-    address = warm.server_address()
+    address = f"\0mnist-pipeline-test/{os.getpid()}/{time.monotonic_ns()}"
     ready_r, ready_w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -533,6 +632,33 @@ def test_the_key_follows_what_a_fresh_process_reads(tmp_path, monkeypatch):
     assert keys[0] != keys[1]
 
 
+def test_the_key_follows_code_from_outside_the_project_and_reinstalls(tmp_path, monkeypatch):
+    """A module on PYTHONPATH edited, or one distribution reinstalled at the same version: a fresh
+    process would import other code, so a new server."""
+    extra = tmp_path / "extra"
+    (extra / "helper").mkdir(parents=True)
+    module = extra / "helper" / "__init__.py"
+    module.write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(extra))
+    key = warm.server_key()
+    assert warm.server_key() == key
+    module.write_text("VALUE = 22\n")  # another size, as an edit usually makes
+    assert warm.server_key() != key
+    (extra / ".venv").mkdir()  # not a package's name: never walked
+    (extra / ".venv" / "big.py").write_text("")
+    key = warm.server_key()
+    # A reinstall of the same version rewrites the distribution's RECORD.
+    record = next(Path(p) for p in sys.path if p.endswith("site-packages")).glob("click-*.dist-info/RECORD")
+    record = next(record)
+    stamp = record.stat()
+    try:
+        os.utime(record, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000_000))
+        assert warm.server_key() != key
+    finally:
+        os.utime(record, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert warm.server_key() == key
+
+
 def test_not_for_an_outer_launchers_workers_nor_for_help(monkeypatch):
     monkeypatch.setenv("DVC_STAGE", "train@ddp")
     monkeypatch.delenv(warm.WARM_ENV, raising=False)
@@ -558,13 +684,8 @@ print("calls:", calls)
 
 @pytest.fixture(scope="module")
 def stand_in_driver(tmp_path_factory) -> Path:
-    """A folder holding the stand-in libcuda.so.1 (tests/stand_in_libcuda.c), for LD_LIBRARY_PATH."""
-    if shutil.which("gcc") is None:
-        pytest.skip("no gcc to build the stand-in driver")
-    folder = tmp_path_factory.mktemp("driver")
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(folder / "libcuda.so.1"), str(ROOT / "tests" / "stand_in_libcuda.c")],
-                   check=True)
-    return folder
+    """A folder holding the stand-in libcuda.so.1 and libnvidia-ml.so.1, for LD_LIBRARY_PATH."""
+    return build_stand_in_driver(tmp_path_factory.mktemp("driver"))
 
 
 DRIVER_LOADED_NOT_INITIALISED = """
@@ -573,6 +694,11 @@ from stages.warm_server import preload
 print("problem:", preload())
 maps = open("/proc/self/maps").read()
 print("mapped:", any(line.endswith("/libcuda.so.1") and "driver" in line for line in maps.splitlines()))
+nvml = ctypes.CDLL("libnvidia-ml.so.1")  # loaded, as pynvml loads it
+print("nvml loaded:", preload())
+nvml.nvmlInit_v2()  # what torch.cuda.device_count() may reach, and MLflow's GPU monitor
+print("after nvmlInit:", preload())
+nvml.nvmlShutdown()
 ctypes.CDLL("libcuda.so.1").cuInit(0)  # what torch.cuda.is_available() reaches
 print("after cuInit:", preload())
 """
@@ -586,10 +712,12 @@ def test_a_driver_that_import_torch_loads_but_nothing_initialised_leaves_the_ser
                           text=True, env=subprocess_env(LD_LIBRARY_PATH=str(stand_in_driver), STAND_IN_CUDA_LOG=str(log)))
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert lines[-3:-1] == ["problem: None", "mapped: True"], done.stdout
+    assert lines[-5:-2] == ["problem: None", "mapped: True", "nvml loaded: None"], done.stdout
+    assert lines[-2].startswith("after nvmlInit: the NVIDIA driver was initialised while importing (libnvidia-ml.so.1)")
     assert lines[-1].startswith("after cuInit: the NVIDIA driver was initialised while importing (libcuda.so.1)")
-    calls = log.read_text().splitlines()
-    assert "cuInit" not in calls[:calls.index("cuInit")] and set(calls[:calls.index("cuInit")]) <= {"cuDeviceGetCount"}
+    calls = [line.split()[1] for line in log.read_text().splitlines()]
+    before = calls[:calls.index("nvmlInit_v2")]  # only the questions that initialise nothing
+    assert set(before) <= {"cuDeviceGetCount", "nvmlDeviceGetCount_v2"} and "cuDeviceGetCount" in before
 
 
 def test_a_stage_on_a_host_with_a_driver_is_served(stand_in_driver, served):
