@@ -16,7 +16,7 @@ epoch's time (plots/train/<mode>.csv).
 Then it times what each kind of process the pipeline starts pays for its imports before any work,
 and adds up what each stage imports on its critical path (CRITICAL_PATH): the floor of this design
 before any work is done (`--imports-only` prints just that). Under DVC every stage but prepare is
-a fork of one warm server (stages/warm.py): the server's imports are paid once, beside prepare.
+a fork of one warm server (pipeline/runtime/warm.py): the server's imports are paid once, beside prepare.
 
 With `--against REV`, each repeat also runs the pipeline of an earlier commit (its files as git
 has them at REV, run with this project's virtual environment), the two in turn, and it prints both
@@ -163,7 +163,7 @@ PLOTS = "import matplotlib.pyplot"
 # What each kind of process a `dvc repro` starts imports before it does any work.
 PROCESS_KINDS = {
     "python alone": "pass",
-    "a stage's client (stages.warm)": "import stages.warm",
+    "a stage's client (pipeline.runtime.warm)": "import pipeline.runtime.warm",
     "torch (the unit)": TORCH,
     "torch + torch._dynamo": f"{TORCH}; {DYNAMO}",
     "MLflow with its SQL store": STORE,
@@ -171,7 +171,8 @@ PROCESS_KINDS = {
     "torch + MLflow + torch._dynamo: a training": f"{TORCH}; {STORE}; {DYNAMO}",
     "matplotlib": PLOTS,
     "torch + matplotlib": f"{TORCH}; {PLOTS}",
-    "the warm server: everything a stage imports": "from stages.warm_server import preload; assert preload() is None",
+    "the warm server: everything a stage imports": "from pipeline.runtime.warm_server import preload; from stages.entry import WARM_APP; "
+                                                   "assert preload(WARM_APP['preload']) is None",
     "dvc.repo": "import dvc.repo",
 }
 
@@ -182,11 +183,11 @@ PROCESS_KINDS = {
 CRITICAL_PATH = {
     "prepare": "torch (the unit)",
     "commcheck": "the warm server: everything a stage imports",  # less what prepare took meanwhile
-    "train@single": "a stage's client (stages.warm)",
-    "train@dp": "a stage's client (stages.warm)",
-    "train@ddp": "a stage's client (stages.warm)",
-    "evaluate": "a stage's client (stages.warm)",
-    "compare": "a stage's client (stages.warm)",
+    "train@single": "a stage's client (pipeline.runtime.warm)",
+    "train@dp": "a stage's client (pipeline.runtime.warm)",
+    "train@ddp": "a stage's client (pipeline.runtime.warm)",
+    "evaluate": "a stage's client (pipeline.runtime.warm)",
+    "compare": "a stage's client (pipeline.runtime.warm)",
 }
 
 

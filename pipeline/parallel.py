@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline import forkserver
+from pipeline.runtime import forkserver
 from pipeline.errors import ConfigError, PipelineError
 
 log = logging.getLogger(__name__)
@@ -377,7 +377,7 @@ def launch_workers(nproc: int, entrypoint: Callable[..., None], args: Sequence[s
 
     This is what `torchrun --standalone --nproc-per-node N` does, through its Python API, so the
     workers see exactly the environment an outer torchrun would give them. Each worker is a fork
-    of the preloaded fork server (pipeline.forkserver), not a fresh interpreter: it starts with its
+    of the preloaded fork server (pipeline.runtime.forkserver), not a fresh interpreter: it starts with its
     imports done.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException

@@ -31,7 +31,7 @@ from pipeline import record, tracking_helper
 from pipeline.atomic import in_the_way
 from pipeline.config import MODES, TrackingConfig, load_config
 from pipeline.errors import PipelineError
-from pipeline.lifecycle import stop_signals_unwind
+from pipeline.runtime.lifecycle import stop_signals_unwind
 
 if TYPE_CHECKING:  # pipeline.parallel imports torch, which compare and send-runs never need
     from pipeline.parallel import Rank

@@ -116,7 +116,7 @@ def run_default_pipeline(work: Path, mnist: Path) -> list[tuple[str, str, str]]:
 def warm_row(output: str) -> tuple[str, str, str]:
     """Whether each stage ran as a fork of the warm server (MNIST_PIPELINE_DEBUG=1 has each client
     say where its command ran): on a GPU host every stage after prepare must, since `import
-    torch` loads the driver without initialising it (pipeline/driver.py)."""
+    torch` loads the driver without initialising it (pipeline/runtime/driver.py)."""
     where, stage = {}, None
     for line in output.splitlines():
         started = re.match(r"Running stage '([^']+)'", line)

@@ -10,17 +10,18 @@ from pathlib import Path
 
 import click
 
-from pipeline import __version__, forkserver, malloc, tracking_helper
+from pipeline import __version__, malloc, tracking_helper
+from pipeline.runtime import forkserver
 from pipeline.errors import PipelineError
 
 DEBUG_ENV = "MNIST_PIPELINE_DEBUG"  # =1: every error also shows its traceback
-# True in a fork of the warm server (stages/warm_server.py sets it before the command runs): that
+# True in a fork of the warm server (pipeline/runtime/warm_server.py sets it before the command runs): that
 # process imported everything, and forked the DDP fork server, already.
 in_warm_fork = False
 
 # Sub-command -> its module, imported only when that command runs: compare and send-runs need
 # neither torch nor the others' imports, and a stage run by hand is a process of its own (under
-# DVC, a fork of the warm server, which imported them all: stages/warm.py).
+# DVC, a fork of the warm server, which imported them all: pipeline/runtime/warm.py).
 COMMANDS = {"prepare": "stages.prepare", "commcheck": "stages.commcheck", "train": "stages.train",
             "evaluate": "stages.evaluate", "compare": "stages.compare", "send-runs": "stages.send_runs",
             "rendezvous-check": "stages.rendezvous_check", "reproduce": "stages.reproduce"}
@@ -70,6 +71,19 @@ class PipelineGroup(click.Group):
             if message is None:  # a bug: its traceback is the report
                 raise
             raise click.ClickException(_shown(exc, message)) from None
+
+
+def run_in_warm_fork(args: list[str], prog: str) -> None:
+    """`mnist-pipeline ARGS` in a fork of the warm server (pipeline/runtime/warm_server.py), which
+    imported everything: the DDP fork server is forked now, while this process has run nothing."""
+    global in_warm_fork
+    in_warm_fork = True
+    if launches_local_workers(args[0], args[1:]):
+        try:
+            forkserver.fork_here()
+        except OSError:  # the launch starts one the usual way
+            pass
+    main(args=args, prog_name=prog)
 
 
 def launches_local_workers(name: str, args: list[str]) -> bool:
@@ -183,7 +197,7 @@ FAILURE_GRACE_S = 1.0
 
 
 def run_worker_command(registry: str, *command: str) -> None:
-    """A worker's life, in a fork of the fork server (pipeline.forkserver): `mnist-pipeline
+    """A worker's life, in a fork of the fork server (pipeline.runtime.forkserver): `mnist-pipeline
     <command>`, as a fresh `python -m stages <command>` would run it under torchrun. It returns on
     success (torchrun's agent waits for each worker's return value) and exits non-zero on failure,
     having printed why, as the command does. `registry`: where the launcher finds its workers."""

@@ -8,11 +8,11 @@ import click
 from pipeline.atomic import read_json
 
 VERBOSE_ENV = "MNIST_PIPELINE_VERBOSE"  # =1, or `mnist-pipeline -v`: the detail on the terminal too
-# What the DDP workers' fork server imports for each command's workers, once (pipeline/preloaded.py
-# says why; pipeline/forkserver.py starts it).
-WORKER_PRELOAD = {"commcheck": ["pipeline.preloaded", "stages.commcheck"],
+# What the DDP workers' fork server imports for each command's workers, once (pipeline/runtime/preloaded.py
+# says why; pipeline/runtime/forkserver.py starts it).
+WORKER_PRELOAD = {"commcheck": ["pipeline.runtime.preloaded", "stages.commcheck"],
                   # torch.optim and torch.use_deterministic_algorithms import torch._dynamo on first use.
-                  "train": ["pipeline.preloaded", "torch._dynamo", "stages.train"]}
+                  "train": ["pipeline.runtime.preloaded", "torch._dynamo", "stages.train"]}
 
 
 def verbose() -> bool:

@@ -20,6 +20,23 @@ import sys
 from pathlib import Path
 
 PACKAGES = ("pipeline", "stages")
+# Under DVC every stage runs in a fork of one warm server (pipeline/runtime/warm.py says why): what
+# runs a command there and in a process of its own, and what the server imports for all of them.
+WARM_APP = {
+    "packages": PACKAGES,  # the project's code, which the server's key digests
+    "run_in_fork": "stages.cli:run_in_warm_fork",
+    "run_here": "stages.cli:main",
+    "preload": ("pipeline.tracking",  # first: its MLflow settings come before MLflow reads them
+                "mlflow.store.tracking.sqlalchemy_store",  # the default store
+                "torch._dynamo",  # torch.optim's first step and use_deterministic_algorithms import it
+                "torch.distributed.elastic.multiprocessing",
+                "stages.cli", "stages.prepare", "stages.commcheck", "stages.train", "stages.evaluate", "stages.compare",
+                "stages.send_runs", "stages.rendezvous_check"),
+    # What a command's client does without a running server: "start" one and wait for it; run here
+    # and start one "beside" it for the stages that follow (prepare: only torch to import, while
+    # the server imports everything on the other core); or just run here (nothing follows compare).
+    "without_server": {"prepare": "beside", "commcheck": "start", "train": "start", "evaluate": "start"},
+}
 MARKERS = ("pipeline/__init__.py", "stages/__init__.py", "stages/entry.py")  # this project's, not any two packages
 
 
@@ -67,6 +84,6 @@ def main() -> None:
               f"code in {Path(__file__).resolve().parents[1]}", file=sys.stderr)
     if root is not None:
         use_code_of(root)
-    from stages.warm import main as run
+    from pipeline.runtime import warm
 
-    run()
+    warm.main(WARM_APP)

@@ -2,7 +2,8 @@
 
 import click
 
-from pipeline import lockfile, outbox, tracking, unfinished
+from pipeline import outbox, tracking, unfinished
+from pipeline.runtime import lockfile
 from pipeline.config import MODES, load_config
 from stages.common import model_dir, params_option
 

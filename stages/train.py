@@ -17,7 +17,8 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline import checkpoint, forkserver, lockfile, outbox, parallel, record, tracking
+from pipeline import checkpoint, outbox, parallel, record, tracking
+from pipeline.runtime import forkserver, lockfile
 from pipeline.atomic import in_the_way, save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, resume_state, trajectory
 from pipeline.unfinished import OUTPUTS_COMPLETE, UNFINISHED_FILE, unfinished

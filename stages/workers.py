@@ -8,7 +8,8 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline import forkserver, parallel, record
+from pipeline import parallel, record
+from pipeline.runtime import forkserver
 from pipeline.config import Config
 from pipeline.errors import PipelineError
 from stages.common import WORKER_PRELOAD

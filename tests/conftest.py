@@ -220,7 +220,7 @@ def mlflow_server(tmp_path_factory):
 
 def ddp_worker_pids(launcher: int) -> dict[int, int]:
     """rank -> pid of the launcher's training workers: the processes under it (torchrun's agent
-    forks them from the fork server, pipeline.forkserver) that hold a rank's log open."""
+    forks them from the fork server, pipeline.runtime.forkserver) that hold a rank's log open."""
     parents = {}
     for proc in Path("/proc").iterdir():
         try:

@@ -50,11 +50,12 @@ def test_stage_deps_cover_the_code_it_runs(stage):
     # Every stage runs through the CLI, which sets up the process (the allocator) before dispatching.
     code = imported_files(STAGE_MODULES[stage]) | imported_files("stages.cli")
     needed = {str(p.relative_to(ROOT)) for p in code}
-    # The CLI's own dispatching, the warm server a stage runs in under DVC (stages/warm.py), the
+    # The CLI's own dispatching, the warm server a stage runs in under DVC (pipeline/runtime/warm.py), the
     # processes it starts ahead (the fork server DDP workers are
     # forked from, the helper that makes evaluate's and compare's MLflow calls: how things start,
     # not what they compute), and the packages' __init__ files, which hold a docstring and the
     # version: none of them changes what a stage computes.
-    needed -= {"stages/cli.py", "stages/warm.py", "pipeline/forkserver.py", "pipeline/tracking_helper.py", "pipeline/__init__.py",
+    needed -= {"stages/cli.py", "pipeline/runtime/warm.py", "pipeline/runtime/forkserver.py", "pipeline/tracking_helper.py", "pipeline/__init__.py",
+               "pipeline/runtime/__init__.py",
                "stages/__init__.py"}
     assert sorted(needed - deps) == []

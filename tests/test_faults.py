@@ -260,7 +260,7 @@ def test_a_full_disk_during_prepare_is_one_line_naming_the_file(project, mnist_d
 
 
 def test_a_tmpdir_too_long_for_the_fork_servers_socket_is_named_before_the_disk_changes(project, tmp_path):
-    from pipeline.forkserver import SOCKET_NAME_BYTES, UNIX_PATH_MAX
+    from pipeline.runtime.forkserver import SOCKET_NAME_BYTES, UNIX_PATH_MAX
 
     long_tmp = tmp_path / ("t" * (UNIX_PATH_MAX - SOCKET_NAME_BYTES - len(os.fsencode(tmp_path))))
     long_tmp.mkdir()

@@ -1,5 +1,5 @@
 """DDP workers start as forks of the fork server the CLI starts before it imports torch
-(pipeline.forkserver), which imports what they need meanwhile; the CLI starts it only for a
+(pipeline.runtime.forkserver), which imports what they need meanwhile; the CLI starts it only for a
 command that will launch workers on this machine."""
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_ddp_workers_are_forks_of_the_preloaded_server(tmp_path, mnist_dir):
         server = servers.pop()
         assert parent_of(server) == launcher.pid  # ...which the command started
         command = Path(f"/proc/{server}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        assert "multiprocessing.forkserver" in command and "'pipeline.preloaded'" in command, command
+        assert "multiprocessing.forkserver" in command and "'pipeline.runtime.preloaded'" in command, command
         # A session of its own too: a signal to the launcher's process group (a closed terminal,
         # `timeout`) leaves it alive, and through it the agent still sees and stops the workers.
         assert os.getsid(server) == server
@@ -132,7 +132,8 @@ def test_a_bug_in_a_worker_shows_its_traceback():
     interpreter would report it: torch's worker wrapper only files it for the agent, and the
     agent's own traceback of it is dropped (pipeline.parallel.launch_workers)."""
     code = ("import multiprocessing, tempfile\n"
-            "from pipeline import forkserver, parallel\n"
+            "from pipeline import parallel
+from pipeline.runtime import forkserver\n"
             "from stages import workers\n"
             "multiprocessing.set_forkserver_preload(['tests.boom_stage'])\n"
             "parallel.launch_workers(1, forkserver.run_named, [workers.WORKER_ENTRY, tempfile.mkdtemp(), 'boom'])\n")

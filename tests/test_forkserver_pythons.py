@@ -1,4 +1,4 @@
-"""pipeline.forkserver.fork_here sets up CPython's multiprocessing fork server by hand, through
+"""pipeline.runtime.forkserver.fork_here sets up CPython's multiprocessing fork server by hand, through
 private attributes that CPython may change; pyproject.toml's requires-python allows only the
 versions this test runs it under, each a real interpreter starting a real fork server's worker."""
 
@@ -16,7 +16,7 @@ from tests.conftest import ROOT
 SCRIPT = f"""
 import multiprocessing, os, sys
 sys.path.insert(0, {str(ROOT)!r})
-from pipeline import forkserver
+from pipeline.runtime import forkserver
 
 def child(queue):
     queue.put((os.getppid(), sys.version_info[:2]))

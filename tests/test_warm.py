@@ -1,4 +1,4 @@
-"""Under DVC, every stage runs as a fork of one warm server (stages/warm.py, stages/warm_server.py)
+"""Under DVC, every stage runs as a fork of one warm server (pipeline/runtime/warm.py, pipeline/runtime/warm_server.py)
 and must be the command a fresh process would have run: the same outputs, messages, exit codes
 and signals, DDP workers forked without importing anything anew, nothing on CUDA before a fork,
 and a new server wherever a fresh process would read something else."""
@@ -21,7 +21,8 @@ from typing import Iterator
 import pytest
 from mlflow import MlflowClient
 
-from stages import warm, warm_server
+from pipeline.runtime import warm, warm_server
+from stages.entry import PACKAGES, WARM_APP
 from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, build_stand_in_driver, ddp_worker_pids, first_epoch_run,
                             make_project, project_env, run, subprocess_env)
 
@@ -134,7 +135,7 @@ def test_a_dvc_repro_runs_every_stage_but_the_first_in_one_server(tmp_path, mnis
         (server,) = servers
         calls = [line.split() for line in log.read_text().splitlines()]
         # The forks used the driver (train.device: auto); the server only asked whether it was
-        # initialised (pipeline/driver.py), which initialises nothing.
+        # initialised (pipeline/runtime/driver.py), which initialises nothing.
         assert {pid for pid, _ in calls} - {server}, calls
         assert {call for pid, call in calls if pid == server} <= {"cuDeviceGetCount", "nvmlDeviceGetCount_v2"}, calls
         deadline = time.monotonic() + warm_server.LINGER_S + 10
@@ -364,6 +365,30 @@ def test_a_frozen_server_is_passed_over_within_seconds(served):
     assert took < 60  # a cold start of the command, not the server's START_TIMEOUT_S
 
 
+def test_a_command_longer_than_the_idle_time_leaves_its_server_serving(served):
+    """Idle counts from the end of the last command, not its start: a training longer than the
+    idle time (or, once its `dvc repro`'s processes are gone, the linger) must not end the server
+    under the next stage, which would then wait for a new server's imports."""
+    project = served
+    params = project / "long.yaml"
+    params.write_text((project / "params.yaml").read_text().replace("epochs: 2", "epochs: 500"))
+    env = warm_env(project, MNIST_PIPELINE_WARM_IDLE_S="2")
+    client = subprocess.Popen(["mnist-pipeline", "train", "--mode", "single", "--params", str(params)], cwd=project,
+                              env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        assert first_epoch_run(project, "single", client, timeout=300) is not None
+        time.sleep(3)  # past the idle time, the command still running
+        client.send_signal(signal.SIGINT)
+        _, first = client.communicate(timeout=120)
+    finally:
+        if client.poll() is None:
+            client.kill()
+    again = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", "missing.yaml"], cwd=project,
+                           env=env, capture_output=True, text=True, timeout=300)
+    served_by = [re.findall(r"a fork of the warm server \(process (\d+)\)", text) for text in (first, again.stderr)]
+    assert served_by[0] and served_by[0] == served_by[1], (first[-2000:], again.stderr[-2000:])
+
+
 def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
     project = served
     env = warm_env(project, MNIST_PIPELINE_WARM_IDLE_S="3")
@@ -376,7 +401,7 @@ def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
     assert Path(address).parent == Path(f"/tmp/mnist-pipeline-{os.getuid()}")
     assert Path(address).parent.stat().st_mode & 0o777 == 0o700
     # The name says nothing of the environment (/proc/net/unix shows it to every user): not the key.
-    assert warm.server_key() not in address
+    assert warm.server_key(PACKAGES) not in address
     if os.geteuid() == 0:  # another user cannot reach the socket at all
         pid = os.fork()
         if pid == 0:
@@ -555,7 +580,7 @@ def test_a_lock_file_in_the_code_runs_the_stage_and_a_key_that_cannot_be_made_ru
 
     monkeypatch.setattr(warm, "server_key", broken)
     with pytest.raises(warm.Unavailable, match="key could not be computed.*cannot read"):
-        warm.connect("train")
+        warm.connect("train", WARM_APP)
 
 
 def test_a_client_whose_key_is_not_the_servers_gets_no_fork(served):
@@ -605,26 +630,26 @@ def test_a_server_unfit_to_fork_says_so_and_the_command_runs_in_its_own_process(
 
 def test_the_key_follows_what_a_fresh_process_reads(tmp_path, monkeypatch):
     monkeypatch.setenv("DVC_STAGE", "train@single")
-    key = warm.server_key()
+    key = warm.server_key(PACKAGES)
     monkeypatch.setenv("DVC_STAGE", "train@ddp")  # per command, passed to the fork
     monkeypatch.setenv("DVC_ROOT", "/elsewhere")
-    assert warm.server_key() == key
+    assert warm.server_key(PACKAGES) == key
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # read when torch loads: another server
-    assert warm.server_key() != key
+    assert warm.server_key(PACKAGES) != key
     monkeypatch.delenv("OMP_NUM_THREADS")
-    assert warm.server_key() == key
+    assert warm.server_key(PACKAGES) == key
     monkeypatch.chdir(tmp_path)  # a matplotlibrc here would be read
-    here = warm.server_key()
+    here = warm.server_key(PACKAGES)
     assert here != key
     (tmp_path / "matplotlibrc").write_text("font.size: 20\n")
-    assert warm.server_key() != here
+    assert warm.server_key(PACKAGES) != here
     monkeypatch.setattr(sys, "warnoptions", ["error"])  # python -W error
-    assert warm.server_key() not in (key, here)
+    assert warm.server_key(PACKAGES) not in (key, here)
     # The code: a copy of the project, then one edit, each read by a fresh client.
     make_project(tmp_path / "proj")
     keys = []
     for _ in range(2):
-        keys.append(subprocess.run([sys.executable, "-c", "from stages.warm import server_key; print(server_key())"],
+        keys.append(subprocess.run([sys.executable, "-c", "from pipeline.runtime.warm import server_key; print(server_key(('pipeline', 'stages')))"],
                                    cwd=tmp_path, env=subprocess_env(PYTHONPATH=str(tmp_path / "proj")),
                                    capture_output=True, text=True, check=True).stdout)
         with (tmp_path / "proj" / "pipeline" / "model.py").open("a") as edit:
@@ -640,23 +665,23 @@ def test_the_key_follows_code_from_outside_the_project_and_reinstalls(tmp_path, 
     module = extra / "helper" / "__init__.py"
     module.write_text("VALUE = 1\n")
     monkeypatch.syspath_prepend(str(extra))
-    key = warm.server_key()
-    assert warm.server_key() == key
+    key = warm.server_key(PACKAGES)
+    assert warm.server_key(PACKAGES) == key
     module.write_text("VALUE = 22\n")  # another size, as an edit usually makes
-    assert warm.server_key() != key
+    assert warm.server_key(PACKAGES) != key
     (extra / ".venv").mkdir()  # not a package's name: never walked
     (extra / ".venv" / "big.py").write_text("")
-    key = warm.server_key()
+    key = warm.server_key(PACKAGES)
     # A reinstall of the same version rewrites the distribution's RECORD.
     record = next(Path(p) for p in sys.path if p.endswith("site-packages")).glob("click-*.dist-info/RECORD")
     record = next(record)
     stamp = record.stat()
     try:
         os.utime(record, ns=(stamp.st_atime_ns, stamp.st_mtime_ns + 1_000_000_000))
-        assert warm.server_key() != key
+        assert warm.server_key(PACKAGES) != key
     finally:
         os.utime(record, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
-    assert warm.server_key() == key
+    assert warm.server_key(PACKAGES) == key
 
 
 def test_not_for_an_outer_launchers_workers_nor_for_help(monkeypatch):
@@ -676,8 +701,9 @@ def test_not_for_an_outer_launchers_workers_nor_for_help(monkeypatch):
 
 # The server's own preload, in a fresh interpreter as the server is, every CUDA call refused.
 NO_CUDA_IN_THE_SERVER = REFUSE_CUDA + """
-from stages.warm_server import preload
-print("problem:", preload())
+from pipeline.runtime.warm_server import preload
+from stages.entry import WARM_APP
+print("problem:", preload(WARM_APP["preload"]))
 print("calls:", calls)
 """
 
@@ -690,17 +716,18 @@ def stand_in_driver(tmp_path_factory) -> Path:
 
 DRIVER_LOADED_NOT_INITIALISED = """
 import ctypes
-from stages.warm_server import preload
-print("problem:", preload())
+from pipeline.runtime.warm_server import preload
+from stages.entry import WARM_APP
+print("problem:", preload(WARM_APP["preload"]))
 maps = open("/proc/self/maps").read()
 print("mapped:", any(line.endswith("/libcuda.so.1") and "driver" in line for line in maps.splitlines()))
 nvml = ctypes.CDLL("libnvidia-ml.so.1")  # loaded, as pynvml loads it
-print("nvml loaded:", preload())
+print("nvml loaded:", preload(WARM_APP["preload"]))
 nvml.nvmlInit_v2()  # what torch.cuda.device_count() may reach, and MLflow's GPU monitor
-print("after nvmlInit:", preload())
+print("after nvmlInit:", preload(WARM_APP["preload"]))
 nvml.nvmlShutdown()
 ctypes.CDLL("libcuda.so.1").cuInit(0)  # what torch.cuda.is_available() reaches
-print("after cuInit:", preload())
+print("after cuInit:", preload(WARM_APP["preload"]))
 """
 
 

@@ -4,7 +4,7 @@ imported torch, MLflow and every stage's code once for the whole `dvc repro`.
 Each stage is a process of its own, and each used to import the heavy libraries it needed before
 any work (torch, MLflow with its SQL store, torch._dynamo, matplotlib: benchmarks/
 pipeline_overhead.py times each) and to tear them down after it. Now the first stage that needs
-them starts the server (stages/warm_server.py), and every later `mnist-pipeline` command is a
+them starts the server (pipeline/runtime/warm_server.py), and every later `mnist-pipeline` command is a
 small client: it sends the server its arguments, the environment variables that name the DVC
 stage, its working directory and umask, the signals it ignores and blocks, and its standard input,
 output and error; the server forks, and the fork runs the command as `mnist-pipeline` would have
@@ -58,15 +58,11 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn
+from typing import Callable, Iterable, Iterator, NoReturn
 
 WARM_ENV = "MNIST_PIPELINE_WARM"  # 0: never; 1: for every command; unset: under DVC only
 IDLE_ENV = "MNIST_PIPELINE_WARM_IDLE_S"  # how long a server with nothing to run stays (default 30)
 PROTOCOL = 1
-# What a command's client does without a running server: "start" one and wait for it; run "here"
-# and start one beside it for the stages that follow (prepare: only torch to import, while the
-# server imports everything on the other core); or just run "here" (nothing follows compare).
-WITHOUT_SERVER = {"prepare": "beside", "commcheck": "start", "train": "start", "evaluate": "start"}
 # Named by the stage, not by what a fresh process reads: no part of the server's key.
 PER_COMMAND_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
 PER_COMMAND_PREFIX = "DVC_"
@@ -93,12 +89,17 @@ class Refused(Unavailable):
     """The server said it cannot run commands (an import failed, or made it unfit to fork)."""
 
 
-def main() -> None:
+def main(app: dict) -> None:
+    """Run the command sys.argv names, in a fork of the warm server or here. `app` names what the
+    server is for (stages/entry.py: WARM_APP): the project's `packages`, the function that runs a
+    command in a fork (`run_in_fork`, "module:function") and here (`run_here`), what the server
+    imports first (`preload`), and what each command does `without_server` ("start" one and wait,
+    run here and start one "beside", or, for a command not named, just run here)."""
     args = sys.argv[1:]
     if not wanted(args):
-        return cold()
+        return cold(app)
     try:
-        code = connect(command_of(args)).run(sys.argv)
+        code = connect(command_of(args), app).run(sys.argv)
     except Refused as why:  # a server that cannot serve is worth a word: every stage runs slower
         print(f"mnist-pipeline: running in this process: {why} ({WARM_ENV}=0 skips the server)", file=sys.stderr)
         code = None
@@ -107,7 +108,7 @@ def main() -> None:
             print(f"mnist-pipeline: running in this process: {why}", file=sys.stderr)
         code = None
     if code is None:  # outside the handlers: the command's own errors are not chained to why it runs here
-        return cold()
+        return cold(app)
     exit_like(code)
 
 
@@ -115,10 +116,14 @@ def debugging() -> bool:
     return os.environ.get("MNIST_PIPELINE_DEBUG", "") not in ("", "0")
 
 
-def cold() -> None:
-    from stages.cli import main as cli
+def cold(app: dict) -> None:
+    run_and_exit(named(app["run_here"]))
 
-    run_and_exit(cli)
+
+def named(target: str) -> Callable:
+    """The function "module:function" names."""
+    module, _, function = target.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 def run_and_exit(command: Callable[[], object]) -> NoReturn:
@@ -191,9 +196,9 @@ def command_of(args: list[str]) -> str | None:
     return args[0] if args and not args[0].startswith("-") else None
 
 
-def connect(command: str) -> Client:
+def connect(command: str, app: dict) -> Client:
     try:
-        key = server_key()
+        key = server_key(app["packages"])
         address = server_address(key)
     except Unavailable:
         raise
@@ -202,10 +207,10 @@ def connect(command: str) -> Client:
     try:
         return Client(address, key)
     except Unavailable:
-        plan = WITHOUT_SERVER.get(command)
+        plan = app["without_server"].get(command)
         if plan is None:
             raise
-    start_server(address, key)
+    start_server(address, key, app)
     if plan == "beside":
         raise Unavailable("the server starts beside this command, for the stages after it")
     return Client(address, key)
@@ -277,7 +282,7 @@ def per_command(name: str) -> bool:
     return name in PER_COMMAND_ENV or name.startswith(PER_COMMAND_PREFIX)
 
 
-def server_key() -> str:
+def server_key(packages: Iterable[str]) -> str:
     """A digest of everything a fresh `mnist-pipeline` process would read before its command
     starts, and so everything a fork of the server must share with this process."""
     facts = {
@@ -285,9 +290,9 @@ def server_key() -> str:
         "python": [sys.executable, sys.version, repr(sys.flags), unbuffered(), sys.warnoptions, sys._xoptions,
                    [os.path.abspath(p) for p in sys.path]],
         "cwd": os.getcwd(),  # read on import (a matplotlibrc here, multiprocessing's ORIGINAL_DIR)
-        "code": code_digest(),
+        "code": code_digest(packages),
         "packages": installed(),
-        "outside": outside_code(),
+        "outside": outside_code(packages),
         "config": [config_stamp(path) for path in matplotlib_configs()],  # read when matplotlib loads
         "env": sorted((k, v) for k, v in os.environ.items() if not per_command(k)),
         "user": [os.getuid(), os.geteuid(), os.getgid(), os.getegid(), sorted(os.getgroups())],
@@ -299,27 +304,27 @@ def server_key() -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:40]
 
 
-def code_digest() -> str:
-    """The project's own code as it is on disk: an edit starts a new server."""
+def code_digest(packages: Iterable[str]) -> str:
+    """The project's own code (`packages`) as it is on disk: an edit starts a new server."""
     digest = hashlib.sha256()
-    for folder in package_folders():
+    for folder in package_folders(packages):
         for path in sorted(Path(folder).rglob("*.py")):
             if path.is_file():  # not an editor's lock file (.#model.py, a link to nowhere)
                 digest.update(str(path).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
-def package_folders() -> list[str]:
-    """The folders of the project's packages, `pipeline` and `stages`, as an import finds them."""
+def package_folders(packages: Iterable[str]) -> list[str]:
+    """The folders of the project's `packages`, as an import finds them."""
     found = []
-    for package in ("pipeline", "stages"):
+    for package in packages:
         spec = importlib.util.find_spec(package)
         found.extend((spec.submodule_search_locations or []) if spec else [])
     return found
 
 
-def project_folders() -> list[str]:
-    return [os.path.dirname(os.path.abspath(folder)) for folder in package_folders()]
+def project_folders(packages: Iterable[str]) -> list[str]:
+    return [os.path.dirname(os.path.abspath(folder)) for folder in package_folders(packages)]
 
 
 def installed() -> list[str]:
@@ -336,12 +341,12 @@ def installed() -> list[str]:
     return found
 
 
-def outside_code() -> list:
+def outside_code(packages: Iterable[str]) -> list:
     """Every module file a fresh process could import from outside the standard library, the
     installed distributions and the project's own packages (code_digest): what `PYTHONPATH` or a
     .pth file adds. Stamped by size and modification time, as Python's own caches check them."""
     stamps = []
-    skip = {os.path.abspath(p) for p in (os.getcwd(), *stdlib_folders(), *project_folders())}
+    skip = {os.path.abspath(p) for p in (os.getcwd(), *stdlib_folders(), *project_folders(packages))}
     for entry in sys.path:
         folder = os.path.abspath(entry or ".")
         if folder in skip or folder.endswith(("site-packages", "dist-packages")) or not os.path.isdir(folder):
@@ -398,7 +403,7 @@ def read(path: str) -> str:
         return ""
 
 
-def start_server(address: str, key: str) -> None:
+def start_server(address: str, key: str, app: dict) -> None:
     """Bind the server's socket here (so a client can connect at once and wait while it imports),
     and start the server on it, in a session of its own, holding none of this process's files: a
     test or a CI step that reads this command's output to its end does not wait for the server.
@@ -408,12 +413,12 @@ def start_server(address: str, key: str) -> None:
         with locked(address):
             if listening(address):  # another command started one a moment ago
                 return
-            launch(address, key)
+            launch(address, key, app)
     except OSError as exc:  # a full disk, no processes left for this user: the command runs here
         raise Unavailable(f"the warm server could not be started ({exc})") from None
 
 
-def launch(address: str, key: str) -> None:
+def launch(address: str, key: str, app: dict) -> None:
     """Bind `address` (the lock held) and start the server on it."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(address)  # a server killed outright leaves its socket's file behind
@@ -421,7 +426,7 @@ def launch(address: str, key: str) -> None:
     with listener:
         listener.bind(address)
         listener.listen(16)
-        config = {"key": key, "path": [os.path.abspath(p) for p in sys.path], "address": address,
+        config = {"key": key, "app": app, "path": [os.path.abspath(p) for p in sys.path], "address": address,
                   "inode": os.stat(address).st_ino, "sponsor": sponsor(), "listener": listener.fileno()}
         flags = subprocess._args_from_interpreter_flags()  # -X, -W, -O, ... as this interpreter has them
         if unbuffered():  # -u, which that list leaves out
@@ -436,7 +441,7 @@ def launch(address: str, key: str) -> None:
 # The server's command line: what it is given comes on its standard input. (Its last argument,
 # the folder it serves, leaves room for the name `ps` shows, warm_server.name_process.)
 SERVER_CODE = ("import json, sys; config = json.loads(sys.stdin.readline()); sys.path[:] = config['path']; "
-               "from stages.warm_server import serve; serve(config)()")
+               "from pipeline.runtime.warm_server import serve; serve(config)()")
 
 
 @contextlib.contextmanager

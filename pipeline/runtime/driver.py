@@ -1,8 +1,8 @@
 """Whether this process has initialised the NVIDIA driver, asked without initialising it.
 
 A process forked after the driver was initialised (cuInit, which torch.cuda.is_available() and
-every CUDA call reach; nvmlInit) cannot use the GPUs, so the servers that fork (stages/warm_server.py,
-pipeline/forkserver.py) must not have done it. That the driver's library is merely loaded says
+every CUDA call reach; nvmlInit) cannot use the GPUs, so the servers that fork (pipeline/runtime/warm_server.py,
+pipeline/runtime/forkserver.py) must not have done it. That the driver's library is merely loaded says
 nothing: on a GPU host `import torch` maps libcuda.so.1 (cuBLASLt and cuSPARSELt dlopen it when
 they load) and calls nothing in it. The driver itself answers without initialising: before cuInit,
 cuDeviceGetCount returns CUDA_ERROR_NOT_INITIALIZED, and before nvmlInit, nvmlDeviceGetCount_v2

@@ -1,4 +1,4 @@
-"""What the fork server (pipeline.forkserver) imports first, once, for every DDP worker it forks:
+"""What the fork server (pipeline.runtime.forkserver) imports first, once, for every DDP worker it forks:
 each worker then starts with torch, MLflow's SQL store and torchrun's worker code in place (the
 command's own module comes after it, stages.common.WORKER_PRELOAD).
 
@@ -9,7 +9,7 @@ import os
 
 from pipeline import malloc
 
-# A session of its own, as each worker takes (pipeline.forkserver.detach_worker): a signal to the
+# A session of its own, as each worker takes (pipeline.runtime.forkserver.detach_worker): a signal to the
 # launcher's process group (a closed terminal, `timeout`, `kill -- -PGID`, a container stopped)
 # then reaches the launcher, whose agent stops the workers through this server. Killed alongside
 # it, the server could no longer tell the agent that a worker lives, and the agent would signal

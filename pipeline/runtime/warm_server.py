@@ -1,4 +1,4 @@
-"""The warm server behind `mnist-pipeline` under DVC (stages/warm.py says why and when): it imports
+"""The warm server behind `mnist-pipeline` under DVC (pipeline/runtime/warm.py says why and when): it imports
 what every stage needs, once, then forks one process per command and tells the command's client
 how it ended.
 
@@ -29,15 +29,8 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from stages import warm
+from pipeline.runtime import warm
 
-# Every stage's module, with what each imports on first use: a fork then starts with all of it.
-PRELOAD = ("pipeline.tracking",  # first: its MLflow settings come before MLflow reads them
-           "mlflow.store.tracking.sqlalchemy_store",  # the default store
-           "torch._dynamo",  # torch.optim's first step and use_deterministic_algorithms import it
-           "torch.distributed.elastic.multiprocessing",
-           "stages.cli", "stages.prepare", "stages.commcheck", "stages.train", "stages.evaluate", "stages.compare",
-           "stages.send_runs", "stages.rendezvous_check")
 DEFAULT_IDLE_S = 30.0
 LINGER_S = 5.0  # once its sponsors ended: a script's next `dvc repro` in the same folder finds it
 
@@ -55,9 +48,10 @@ def serve(config: dict) -> Callable[[], None]:
     relisten = socket.socket(fileno=listener_fd)
     relisten.listen(16)
     relisten.detach()
-    code = warm.code_digest()
-    problem = preload()
-    if problem is None and warm.code_digest() != code:
+    app = config["app"]
+    code = warm.code_digest(app["packages"])
+    problem = preload(app["preload"])
+    if problem is None and warm.code_digest(app["packages"]) != code:
         # An edit saved while this imported: what it imported may be neither the client's code
         # (its key) nor the code on disk now.
         problem = "the project's code changed while the server imported it\n"
@@ -130,7 +124,7 @@ def serve(config: dict) -> Callable[[], None]:
                             sock.close()
                         os.close(wake_r)
                         os.close(wake_w)
-                        return lambda: warm.run_and_exit(lambda: run_command(*request))
+                        return lambda: warm.run_and_exit(lambda: run_command(*request, app["run_in_fork"]))
                     if pid is None:  # nothing runs: the client is told why, if it still listens
                         if isinstance(request, str):
                             send(conn, {"error": request})
@@ -148,7 +142,7 @@ def serve(config: dict) -> Callable[[], None]:
                         warm.signal_group(running[conn], signal.SIGKILL)
                         selector.unregister(conn)
                         gone.add(conn)  # reaped like any fork, on its SIGCHLD
-            if running or waiting:
+            if busy or running or waiting:  # idle from the moment the last command ended, not from when it began
                 idle_since = time.monotonic()
         remove_own_file(config["address"], config["inode"])
     sys.stdout.flush()
@@ -179,14 +173,15 @@ def fork(conn: socket.socket, request: tuple[dict, list[int]]) -> int | None:
     return pid
 
 
-def preload() -> str | None:
-    """Import everything; None if the server is fit to fork, else why not (told to each client,
-    whose command then runs in its own process)."""
+def preload(modules: list[str]) -> str | None:
+    """Import everything (`modules`, then matplotlib's pyplot); None if the server is fit to fork,
+    else why not (told to each client, whose command then runs in its own process)."""
     try:
-        from pipeline import driver, malloc, plotting
+        from pipeline import malloc, plotting
+        from pipeline.runtime import driver
 
         malloc.keep_freed_memory()  # as the CLI does first in every process
-        for module in PRELOAD:
+        for module in modules:
             importlib.import_module(module)
         plotting.pyplot()
         import torch
@@ -323,7 +318,7 @@ def reaped(forks: set[int]) -> dict[int, int]:
     return done
 
 
-def run_command(request: dict, fds: list[int]) -> None:
+def run_command(request: dict, fds: list[int], run_in_fork: str) -> None:
     """In the fork: become the process `mnist-pipeline <argv>` would have been, then run it. Its
     end (exit code, traceback, exit handlers, a KeyboardInterrupt's signal) is the interpreter's
     own, as in a fresh process."""
@@ -358,19 +353,7 @@ def run_command(request: dict, fds: list[int]) -> None:
     sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=warm.unbuffered())
     if "numpy" in sys.modules:  # numpy's global generator, seeded from the OS in a fresh process
         sys.modules["numpy"].random.seed()
-    from stages import cli
-
-    cli.in_warm_fork = True
-
-    args = sys.argv[1:]
-    if cli.launches_local_workers(args[0], args[1:]):
-        from pipeline import forkserver
-
-        try:
-            forkserver.fork_here()  # now, while this process has run nothing
-        except OSError:  # the launch starts one the usual way
-            pass
-    cli.main(args=args, prog_name=request["prog"])
+    warm.named(run_in_fork)(sys.argv[1:], request["prog"])
 
 
 def hang_up(signum: int, frame) -> None:
@@ -379,7 +362,7 @@ def hang_up(signum: int, frame) -> None:
     ends as SIGTERM ends it, its runs FAILED, not killed where it stands (and where SIGTERM would
     kill it, SIGHUP does)."""
     handler = signal.getsignal(signal.SIGTERM)
-    if handler is signal.SIG_IGN:  # ending already (pipeline.lifecycle): let the cleanup finish
+    if handler is signal.SIG_IGN:  # ending already (pipeline.runtime.lifecycle): let the cleanup finish
         return
     if callable(handler):
         handler(signal.SIGTERM, frame)

@@ -6,7 +6,7 @@ which imported torch, MLflow and torch._dynamo after the launcher had imported t
 for its own checks: two import chains in a row on the stage's critical path, more than two bare
 torch imports (benchmarks/pipeline_overhead.py). Now the command starts multiprocessing's fork
 server first thing, before it imports torch itself. The server imports what a worker needs
-(pipeline.preloaded) on another core while the launcher imports and checks, and torchrun's own
+(pipeline.runtime.preloaded) on another core while the launcher imports and checks, and torchrun's own
 agent (elastic_launch, with its rendezvous, environment and failure handling as before) starts each
 worker as a fork of it: start_method "forkserver".
 
@@ -14,9 +14,9 @@ Safe on GPUs: the server is a fresh interpreter that only imports. It never touc
 no Python thread, so each fork initialises CUDA for itself as a fresh process would. Under an
 outer torchrun, Slurm or Kubeflow nothing here runs: the worker is the process they started.
 
-Under DVC the command is itself a fork of the warm server (stages/warm.py), with everything
+Under DVC the command is itself a fork of the warm server (pipeline/runtime/warm.py), with everything
 imported already: there `fork_here` forks the fork server from the command's process before its
-command runs, instead of starting a fresh interpreter, and pipeline.preloaded is not needed.
+command runs, instead of starting a fresh interpreter, and pipeline.runtime.preloaded is not needed.
 
 Imports nothing heavy: the CLI calls `start` before it loads the stage's module.
 """
@@ -83,7 +83,7 @@ def run_named(target: str, *args: str) -> None:
 
 def fork_here() -> None:
     """Start the fork server as a fork of this process, which must have imported what the workers
-    need and run nothing yet: a fork of the warm server (stages/warm_server.py), before its
+    need and run nothing yet: a fork of the warm server (pipeline/runtime/warm_server.py), before its
     command starts. It is then what `start` would have started, without importing anything anew.
     multiprocessing's own server code runs in it, set up as `ensure_running` sets it up."""
     server = multiprocessing.forkserver._forkserver
@@ -100,7 +100,7 @@ def fork_here() -> None:
             code = 0
             try:
                 os.close(alive_w)
-                os.setsid()  # as pipeline.preloaded does in a server started anew
+                os.setsid()  # as pipeline.runtime.preloaded does in a server started anew
                 multiprocessing.forkserver.main(listener.fileno(), alive_r, [])
             except SystemExit:  # every launcher is gone: its normal end
                 pass
