@@ -132,8 +132,7 @@ def test_a_bug_in_a_worker_shows_its_traceback():
     interpreter would report it: torch's worker wrapper only files it for the agent, and the
     agent's own traceback of it is dropped (pipeline.parallel.launch_workers)."""
     code = ("import multiprocessing, tempfile\n"
-            "from pipeline import parallel
-from pipeline.runtime import forkserver\n"
+            "from pipeline import parallel\nfrom pipeline.runtime import forkserver\n"
             "from stages import workers\n"
             "multiprocessing.set_forkserver_preload(['tests.boom_stage'])\n"
             "parallel.launch_workers(1, forkserver.run_named, [workers.WORKER_ENTRY, tempfile.mkdtemp(), 'boom'])\n")

@@ -115,21 +115,24 @@ def test_a_dvc_repro_runs_every_stage_but_the_first_in_one_server(tmp_path, mnis
     project = make_project(tmp_path / "proj", SMALL)
     log = tmp_path / "driver-calls"
     try:
-        done = run(["dvc", "repro"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir), MNIST_PIPELINE_DEBUG="1",
-                                                            LD_LIBRARY_PATH=str(stand_in_driver),
-                                                            STAND_IN_CUDA_LOG=str(log)))
+        env = subprocess_env(**project_env(project, MNIST_SOURCE=str(mnist_dir), MNIST_PIPELINE_DEBUG="1",
+                                           LD_LIBRARY_PATH=str(stand_in_driver), STAND_IN_CUDA_LOG=str(log)))
+        # One stream, as `make gpu-check` reads it: each stage's lines after DVC's "Running stage".
+        done = subprocess.run(["dvc", "repro"], cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:]
         # prepare runs in its own process while the server imports beside it; every later stage,
         # whatever DVC wrote in between, finds that same server (one key for the whole run).
-        fallbacks = [line for line in done.stdout.splitlines() + done.stderr.splitlines()
+        fallbacks = [line for line in done.stdout.splitlines()
                      if "running in this process" in line]
         assert fallbacks == ["mnist-pipeline: running in this process: the server starts beside this command, "
                              "for the stages after it"], done.stdout[-3000:]
         # What `make gpu-check` reports of the same output on a GPU host.
         from scripts.gpu_check import warm_row
 
-        name, outcome, detail = warm_row(done.stdout + "\n" + done.stderr)
+        name, outcome, detail = warm_row(done.stdout)
         assert outcome == "passed" and "prepare: own process" in detail and "train@ddp: warm" in detail, detail
-        servers = set(re.findall(r"a fork of the warm server \(process (\d+)\)", done.stdout + done.stderr))
+        servers = set(re.findall(r"a fork of the warm server \(process (\d+)\)", done.stdout))
         assert len(servers) == 1, done.stdout[-3000:]
         # It was started for this `dvc repro`, and ends soon after it, not after its idle time (30 s).
         (server,) = servers
@@ -575,7 +578,7 @@ def test_a_lock_file_in_the_code_runs_the_stage_and_a_key_that_cannot_be_made_ru
     assert record.code_digest([project / "pipeline", project / "stages"]) == \
         record.code_digest([ROOT / "pipeline", ROOT / "stages"])
 
-    def broken() -> str:
+    def broken(packages) -> str:
         raise PermissionError("a package folder this user cannot read")
 
     monkeypatch.setattr(warm, "server_key", broken)
