@@ -687,6 +687,18 @@ def test_the_key_follows_code_from_outside_the_project_and_reinstalls(tmp_path, 
     assert warm.server_key(PACKAGES) == key
 
 
+def test_python_u_is_a_fact_of_the_key_and_reaches_the_fork():
+    """sys.flags does not say -u; the streams do. A client under -u gets a server started with -u,
+    whose forks write through, as `python -u` promises."""
+    probe = ("from pipeline.runtime import warm; from stages.entry import PACKAGES; import sys; "
+             "print(warm.unbuffered(), sys.stdout.write_through, warm.server_key(PACKAGES))")
+    env = {k: v for k, v in subprocess_env().items() if k != "PYTHONUNBUFFERED"}
+    plain, unbuffered = (subprocess.run([sys.executable, *flags, "-c", probe], cwd=ROOT, env=env, capture_output=True,
+                                        text=True, check=True).stdout.split() for flags in ([], ["-u"]))
+    assert plain[:2] == ["False", "False"] and unbuffered[:2] == ["True", "True"]
+    assert plain[2] != unbuffered[2]
+
+
 def test_not_for_an_outer_launchers_workers_nor_for_help(monkeypatch):
     monkeypatch.setenv("DVC_STAGE", "train@ddp")
     monkeypatch.delenv(warm.WARM_ENV, raising=False)
