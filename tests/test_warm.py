@@ -468,6 +468,21 @@ def test_a_private_folder_that_is_not_private_runs_the_command_in_its_own_proces
         assert len(list(folder.glob("warm-*.sock"))) == 1
 
 
+def test_a_runtime_folder_too_long_for_a_socket_falls_back_to_tmp(monkeypatch, tmp_path):
+    """A socket's path has at most 107 bytes: a deep $XDG_RUNTIME_DIR would make bind() fail."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True, mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(deep))
+    assert warm.private_folder() == f"/tmp/mnist-pipeline-{os.getuid()}"
+    short = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+    try:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(short))
+        assert warm.private_folder() == str(short / "mnist-pipeline")
+        assert len(warm.server_address(warm.server_key(PACKAGES)).encode()) <= 107
+    finally:
+        shutil.rmtree(short)
+
+
 def test_a_client_sends_nothing_to_another_users_server(monkeypatch):
     """Another user holding a name this user's client connects to gets no command (the private
     folder keeps others from its names; this holds where a folder's checks could be fooled)."""
