@@ -58,10 +58,10 @@ gpu-check: install
 # It prints the links to the last training: its runs (not MLflow's GenAI pages), its modes and
 # each distributed mode's ranks side by side.
 ui: install
-	@$(BIN)/python -c "from pipeline.tracking import print_ui_link; print_ui_link()"
+	@$(BIN)/python -c "from pipeline.tracking.links import print_ui_link; print_ui_link()"
 	MLFLOW_DISABLE_TELEMETRY=$${MLFLOW_DISABLE_TELEMETRY:-true} \
 	  mlflow ui --host 127.0.0.1 --port 5000 --backend-store-uri \
-	  "$$($(BIN)/python -c 'from pathlib import Path; from pipeline.tracking import sqlite_uri; print(sqlite_uri(Path.cwd() / "mlflow.db"))')"
+	  "$$($(BIN)/python -c 'from pathlib import Path; from pipeline.tracking.store import sqlite_uri; print(sqlite_uri(Path.cwd() / "mlflow.db"))')"
 
 clean:
 	rm -rf data/prepared data/raw models metrics results plots reports checks dvc_plots

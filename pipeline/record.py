@@ -180,6 +180,6 @@ def gpus() -> dict[str, str]:
 
 def inputs(params: Mapping[str, Any], data_dir: Path) -> dict[str, str]:
     """The digests of what a training read, as tags on each of its runs (the software and the
-    hardware are in stages.workers.run_facts; the commit and the patch in pipeline.tracking)."""
+    hardware are in stages.workers.run_facts; the commit and the patch in pipeline.tracking.facts)."""
     return {"code_sha256": code_digest(), "params_sha256": params_digest(params),
             "requirements_lock_sha256": file_digest(project_folder() / REQUIREMENTS_LOCK), "data_sha256": files_digest(data_dir)}

@@ -20,9 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline import record, tracking
+from pipeline import record
 from pipeline.config import MODES
 from pipeline.errors import PipelineError
+from pipeline.tracking.model import download_weights
+from pipeline.tracking.recorded import RunStore
+from pipeline.tracking.runs import PARENT_TAG
+from pipeline.tracking.store import check_store, shown, store_errors, tracking_uri
 
 DIFFERS, REFUSED, FAILED = 1, 2, 3  # exit codes; 0 is bit for bit
 BIT_FOR_BIT = "reproduced bit for bit"
@@ -51,27 +55,22 @@ class Recorded:
     patch: bytes
 
 
-def read_record(client, run_id: str, uri: str) -> Recorded:
+def read_record(store: RunStore, run_id: str) -> Recorded:
     """The run's record, or a Refusal that names what is missing."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        run = client.get_run(run_id)
-    except MlflowException as exc:
-        if exc.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
-            raise Refusal(f"run {run_id}: no such run in the tracking store {tracking.shown(uri)} (is "
-                          "MLFLOW_TRACKING_URI the store it was logged to?)") from None
-        raise
-    tags, name = run.data.tags, run.info.run_name
-    if tracking.PARENT_TAG in tags:
-        parent = tags[tracking.PARENT_TAG]
+    run = store.run(run_id)
+    if run is None:
+        raise Refusal(f"run {run_id}: no such run in the tracking store {shown(store.uri)} (is "
+                      "MLFLOW_TRACKING_URI the store it was logged to?)")
+    tags, name = run.tags, run.name
+    if PARENT_TAG in tags:
+        parent = tags[PARENT_TAG]
         raise Refusal(f"run {run_id} is {name!r}, one rank's run: reproduce the mode's run it belongs to, "
                       f"`mnist-pipeline reproduce {parent}`")
     if tags.get("mode") not in MODES or name not in MODES:
         raise Refusal(f"run {run_id} is {name!r}, not a training: reproduce takes a mode's run "
                       f"({', '.join(MODES)}), as `mnist-pipeline compare` lists them")
-    if run.info.status != "FINISHED":
-        raise Refusal(f"run {run_id} ({name}) is {run.info.status}: only a finished training can be re-made "
+    if run.status != "FINISHED":
+        raise Refusal(f"run {run_id} ({name}) is {run.status}: only a finished training can be re-made "
                       "and compared")
     if tags.get("git_commit", "unknown") == "unknown":
         raise Refusal(f"run {run_id} ({name}) records no commit (it was trained outside a git repository)")
@@ -81,29 +80,28 @@ def read_record(client, run_id: str, uri: str) -> Recorded:
             raise Refusal(f"run {run_id} ({name}) was trained from a tree with uncommitted changes and kept no "
                           f"patch of them (made before runs kept one): commit {tags['git_commit'][:12]} alone is "
                           "not the code that ran")
-        patch = _artifact_bytes(client, run_id, tags["git_patch"], "its uncommitted change")
-    params_text = _artifact_bytes(client, run_id, PARAMS_ARTIFACT, "the params file it read").decode()
+        patch = _artifact_bytes(store, run_id, tags["git_patch"], "its uncommitted change")
+    params_text = _artifact_bytes(store, run_id, PARAMS_ARTIFACT, "the params file it read").decode()
     for key in ("code_sha256", "world_size", "device_type"):
         if key not in tags:
             raise Refusal(f"run {run_id} ({name}) has no {key} tag (made before runs recorded it): nothing to "
                           "check a reproduction against")
-    return Recorded(run_id, name, tags, run.data.params, params_text, patch)
+    return Recorded(run_id, name, tags, run.params, params_text, patch)
 
 
-def _artifact_bytes(client, run_id: str, path: str, what: str) -> bytes:
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            return Path(client.download_artifacts(run_id, path, tmp)).read_bytes()
-        except Exception as exc:
-            raise Refusal(f"run {run_id}: {what} ({path}) is not among its artifacts ({exc})") from None
+def _artifact_bytes(store: RunStore, run_id: str, path: str, what: str) -> bytes:
+    try:
+        return store.artifact_bytes(run_id, path)
+    except Exception as exc:
+        raise Refusal(f"run {run_id}: {what} ({path}) is not among its artifacts ({exc})") from None
 
 
-def logged_weights(run_id: str, folder: Path) -> dict:
+def logged_weights(run_id: str, folder: Path, uri: str) -> dict:
     """The weights the run logged (its MLflow model's model.pt), before anything is trained."""
     import torch
 
     try:
-        path = tracking.download_weights(f"runs:/{run_id}/model", folder)
+        path = download_weights(f"runs:/{run_id}/model", folder, uri)
     except Exception as exc:
         raise Refusal(f"run {run_id}: its logged model is not there to compare with ({exc})") from None
     return torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
@@ -247,25 +245,22 @@ def facts_that_differ(original: dict[str, str], remade: dict[str, str]) -> list[
 
 def reproduce(run_id: str, workspace: Path, echo: Callable[[str], None]) -> tuple[int, str]:
     """Re-make run `run_id`: (exit code, verdict line)."""
-    import mlflow
     import torch
-    from mlflow import MlflowClient
 
-    uri = tracking.tracking_uri()
+    uri = tracking_uri()
     try:
-        tracking.check_store(uri)
+        check_store(uri)
     except PipelineError as exc:
         raise Refusal(str(exc)) from None
-    mlflow.set_tracking_uri(uri)
-    client = MlflowClient(uri)
-    with tracking.store_errors(uri, f"reading run {run_id}"):
-        recorded = read_record(client, run_id, uri)
+    with store_errors(uri, f"reading run {run_id}"):
+        store = RunStore(uri)
+        recorded = read_record(store, run_id)
     check_host(recorded, workspace)
     # A worker still writing when Ctrl-C ended this must not turn the cleanup into a traceback.
     with tempfile.TemporaryDirectory(prefix="reproduce-", dir=scratch_parent(workspace),
                                      ignore_cleanup_errors=True) as tmp:
-        with tracking.store_errors(uri, f"reading run {run_id}'s model"):
-            original = logged_weights(run_id, Path(tmp) / "original")
+        with store_errors(uri, f"reading run {run_id}'s model"):
+            original = logged_weights(run_id, Path(tmp) / "original", uri)
         checkout = prepare_checkout(recorded, workspace, Path(tmp))
         env = child_env(uri, checkout, recorded)
         place_data(recorded, workspace, checkout, env, echo)
@@ -277,7 +272,7 @@ def reproduce(run_id: str, workspace: Path, echo: Callable[[str], None]) -> tupl
         remade_weights = torch.load(out / "model.pt", map_location="cpu", weights_only=True)["state_dict"]
     expected = recorded.tags.get("weights_sha256") or record.weights_digest(original)
     same = record.weights_digest(remade_weights) == expected
-    remade_tags = client.get_run(new_id).data.tags
+    remade_tags = store.run(new_id).tags
     if same:
         code, line = 0, f"{BIT_FOR_BIT}: run {new_id} made the same weights as run {run_id}"
     else:
@@ -287,9 +282,8 @@ def reproduce(run_id: str, workspace: Path, echo: Callable[[str], None]) -> tupl
                                + ("in the record: " + ", ".join(differs) if differs else
                                   "nothing in the record differs"))
     verdict = "bit for bit" if same else "differs"
-    with tracking.store_errors(uri, f"tagging run {run_id}"):
-        client.set_tag(run_id, "reproduction", verdict)
-        client.set_tag(run_id, "reproduction_run", new_id)
-        client.set_tag(new_id, "reproduces", run_id)
-        client.set_tag(new_id, "mlflow.note.content", f"A reproduction of run {run_id}: {verdict}. {line}")
+    with store_errors(uri, f"tagging run {run_id}"):
+        store.set_tags(run_id, {"reproduction": verdict, "reproduction_run": new_id})
+        store.set_tags(new_id, {"reproduces": run_id,
+                                "mlflow.note.content": f"A reproduction of run {run_id}: {verdict}. {line}"})
     return code, line

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import click
 
-from pipeline import __version__, malloc, tracking_helper
+from pipeline import __version__, malloc
+from pipeline.tracking import helper as tracking_helper
 from pipeline.runtime import forkserver
 from pipeline.errors import PipelineError
 
@@ -105,7 +106,7 @@ def launches_local_workers(name: str, args: list[str]) -> bool:
 
 def logs_after_training(name: str, args: list[str]) -> bool:
     """Whether the command is evaluate or compare with tracking on: its MLflow calls then go
-    through the helper (pipeline.tracking_helper), which imports MLflow meanwhile."""
+    through the helper (pipeline.tracking.helper), which imports MLflow meanwhile."""
     config = readable_params(args) if name in ("evaluate", "compare") else None
     return config is not None and config.tracking.enabled
 
@@ -142,7 +143,7 @@ def library_failure(exc: Exception) -> str | None:
     store, the rendezvous), where no stage caught it first; None for anything else."""
     # Through importlib, as the commands are: how an error is worded changes no stage's outputs, so
     # the tracking module must not become every stage's DVC dependency (tests/test_dvc_deps.py).
-    tracking = importlib.import_module("pipeline.tracking")
+    tracking = importlib.import_module("pipeline.tracking.store")
     rank = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
     if tracking.from_tracking(exc):
         try:

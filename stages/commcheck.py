@@ -9,10 +9,12 @@ from pathlib import Path
 
 import click
 
-from pipeline import comm, parallel, tracking
+from pipeline import comm, parallel
 from pipeline.atomic import write_json
 from pipeline.config import Config, flatten, load_config
 from pipeline.model import build_model
+from pipeline.tracking.runs import start_mode_run, until_done
+from pipeline.tracking.store import check_store, check_worker_store, tracking_uri
 from stages.common import echo_detail, params_option, verbose
 from stages.workers import launch_workers, run_facts, submit_to_slurm
 
@@ -62,12 +64,12 @@ def run_worker(config: Config) -> None:
         parallel.limit_cpu_threads(rank)
     backend = parallel.backend_for(device)
     if config.tracking.enabled:
-        tracking.check_worker_store(rank)
+        check_worker_store(rank)
     with parallel.process_group(rank, device):
         params = {k: v for k, v in flatten(config).items() if k.startswith("commcheck.")}
-        runs = tracking.start_mode_run(config.tracking, "commcheck", rank,
-                                       run_facts("commcheck", rank, device, distributed=True), params)
-        with tracking.until_done(runs):
+        runs = start_mode_run(config.tracking, "commcheck", rank,
+                              run_facts("commcheck", rank, device, distributed=True), params)
+        with until_done(runs):
             mine = comm.sweep(rank, device, config.commcheck, reach={"all_reduce": gradient_bytes(config.train.model)})
             per_rank = parallel.all_gather_objects(mine, rank)
             devices = parallel.all_gather_objects(parallel.device_name(device), rank)
@@ -130,7 +132,7 @@ def commcheck(params_path: str) -> None:
     else:
         parallel.check_every_mode(config.train)
         if config.tracking.enabled:
-            tracking.check_store(tracking.tracking_uri())
+            check_store(tracking_uri())
         command = ["commcheck", "--params", params_path]
         if config.train.launcher == "slurm":  # across the nodes training will use, not on this one
             submit_to_slurm(config, command, LOG_DIR)

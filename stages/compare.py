@@ -5,11 +5,14 @@ from pathlib import Path
 
 import click
 
-from pipeline import explain, tracking
+from pipeline import explain
 from pipeline.atomic import atomic_dir, check_replaceable, read_json, write_json
 from pipeline.config import MODES, load_config
 from pipeline.errors import PipelineError
 from pipeline.report import ModeResult, comparison_rows, console_table, loss_png, markdown, mode_metrics, modes_csv, read_curves, throughput_png
+from pipeline.tracking.after_training import log_compare_run, log_to_mode_run
+from pipeline.tracking.links import compare_link, ui_link
+from pipeline.tracking.store import check_store, tracking_uri
 from stages.common import params_option, read_run_ids
 
 REPORT_FILES = ("comparison.md", "throughput.png", "loss.png", "timeline.png", "scaling.json", "steps.csv", "epochs.csv")
@@ -38,7 +41,7 @@ def compare(params_path: str, out: str) -> None:
     """Write reports/comparison.md (table + plots) and log it as a `compare` MLflow run."""
     config = load_config(params_path)
     if config.tracking.enabled:
-        tracking.check_store(tracking.tracking_uri())
+        check_store(tracking_uri())
     check_replaceable(Path(out), REPORT_FILES)
     results = [mode_result(mode) for mode in config.train.modes]
     rows = comparison_rows(results)
@@ -70,10 +73,10 @@ def compare(params_path: str, out: str) -> None:
                    "total_train_time_s": row["train_time_s"], "mean_samples_per_s": row["samples_per_s"],
                    "steady_samples_per_s": row["steady_samples_per_s"],
                    **explain.run_figures(breakdowns[row["mode"]], scaling["predictions"][row["mode"]])}
-        tracking.log_to_mode_run(config.tracking, mode_ids[row["mode"]],
-                                 {key: value for key, value in summary.items() if value is not None}, [],
-                                 tags={"speedup_warning": row["impossible"]} if row["impossible"] else None)
-    tracking.log_compare_run(config.tracking, mode_ids, files)
+        log_to_mode_run(config.tracking, mode_ids[row["mode"]],
+                        {key: value for key, value in summary.items() if value is not None}, [],
+                        tags={"speedup_warning": row["impossible"]} if row["impossible"] else None)
+    log_compare_run(config.tracking, mode_ids, files)
     click.echo(console_table(rows))
     for row in rows:
         if row["impossible"]:
@@ -83,7 +86,7 @@ def compare(params_path: str, out: str) -> None:
     tracked = [ids for ids in mode_ids.values() if ids]
     if config.tracking.enabled and tracked:
         experiment = tracked[0]["experiment_id"]
-        hint = "" if tracking.tracking_uri().startswith("http") else " (after `make ui`)"
-        click.echo(f"MLflow: the mode runs side by side at {tracking.ui_link(experiment)}{hint}")
+        hint = "" if tracking_uri().startswith("http") else " (after `make ui`)"
+        click.echo(f"MLflow: the mode runs side by side at {ui_link(experiment)}{hint}")
         click.echo(f"MLflow: every number compared at "
-                   f"{tracking.compare_link(experiment, [ids['parent'] for ids in tracked])}{hint}")
+                   f"{compare_link(experiment, [ids['parent'] for ids in tracked])}{hint}")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import click
 
-from pipeline import tracking
 from pipeline.atomic import atomic_path, write_json
 from pipeline.checkpoint import MODEL_FILE
 from pipeline.config import MODES, Config, load_config
@@ -18,6 +17,8 @@ from pipeline.loop import to_device
 from pipeline.parallel import Rank, pick_device
 from pipeline.precision import float32_means_float32
 from pipeline.prepared import Split, load_split
+from pipeline.tracking.after_training import log_to_mode_run
+from pipeline.tracking.store import check_store, tracking_uri
 from stages.common import model_dir, params_option, read_run_ids
 
 RESULTS_DIR = Path("results/eval")
@@ -42,8 +43,8 @@ def evaluate_mode(config: Config, mode: str, trained: TrainedModel, test: Split,
 
     per_class = {f"test_accuracy_class_{c}": acc for c, acc in enumerate(result.per_class_accuracy)}
     metrics = {"test_accuracy": result.accuracy, "test_loss": result.loss, **per_class}
-    tracking.log_to_mode_run(config.tracking, read_run_ids(mode), metrics, [png], "evaluation",
-                             datasets=(data_dir, ("test",)))
+    log_to_mode_run(config.tracking, read_run_ids(mode), metrics, [png], "evaluation",
+                    datasets=(data_dir, ("test",)))
     click.echo(f"{mode}: test accuracy {result.accuracy:.2%}, loss {result.loss:.4f} on {len(images)} images")
     return result
 
@@ -60,7 +61,7 @@ def evaluate(params_path: str, modes: tuple[str, ...], data_dir: str) -> None:
     # Every model first: a missing or damaged one fails the stage before anything is written.
     trained = {mode: load_trained_model(model_dir(mode) / MODEL_FILE) for mode in modes}
     if config.tracking.enabled:
-        tracking.check_store(tracking.tracking_uri())
+        check_store(tracking_uri())
     test = load_split(Path(data_dir), "test")
     float32_means_float32()  # the test numbers in plain float32, whatever precision trained the model
     results = {mode: evaluate_mode(config, mode, trained[mode], test, Path(data_dir)) for mode in modes}

@@ -2,9 +2,11 @@
 
 import click
 
-from pipeline import outbox, tracking, unfinished
+from pipeline import unfinished
 from pipeline.runtime import lockfile
 from pipeline.config import MODES, load_config
+from pipeline.tracking.delivery import OUTBOX_DIR, send_kept
+from pipeline.tracking import outbox
 from stages.common import model_dir, params_option
 
 
@@ -17,7 +19,7 @@ from stages.common import model_dir, params_option
 def send_runs(params_path: str, mode: str, uri: str | None, discard: bool) -> None:
     """Send the metrics, files, model and run ends a training kept in models/<mode>/tracking-outbox
     because the tracking server did not answer (or refused them), to the current tracking store."""
-    folder = model_dir(mode) / tracking.OUTBOX_DIR
+    folder = model_dir(mode) / OUTBOX_DIR
     if not (folder.is_dir() or folder.is_symlink()):
         click.echo(f"send-runs: {mode}: nothing kept in {folder}")
         return
@@ -28,7 +30,7 @@ def send_runs(params_path: str, mode: str, uri: str | None, discard: bool) -> No
             click.echo(f"send-runs: {mode}: dropped {dropped} kept tracking calls" if dropped
                        else f"send-runs: {mode}: nothing kept in {folder}")
             return
-        sent = tracking.send_kept(folder, uri, load_config(params_path).tracking.registered_model)
+        sent = send_kept(folder, uri, load_config(params_path).tracking.registered_model)
         rejected = sorted(folder.glob("*.rejected")) if folder.is_dir() else []
         record = unfinished.unfinished(model_dir(mode))
         if sent is not None and not rejected and unfinished.OUTPUTS_COMPLETE in (record or {}):

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline import checkpoint, outbox, parallel, record, tracking
+from pipeline import checkpoint, parallel, record
 from pipeline.runtime import forkserver, lockfile
 from pipeline.atomic import in_the_way, save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, resume_state, trajectory
@@ -30,6 +30,10 @@ from pipeline.loop import TRACE_DIR, Training, to_device
 from pipeline.loop import train as train_model
 from pipeline.mnist import IMAGE_SIZE
 from pipeline.prepared import STATS_FILE, Split, check_as_prepared, load_prepared, load_split, load_stats
+from pipeline.tracking.delivery import OUTBOX_DIR
+from pipeline.tracking.runs import fail_unfinished, missing_runs, start_mode_run, until_done
+from pipeline.tracking.store import check_worker_store, preflight, shown, tracking_uri
+from pipeline.tracking import outbox
 from stages.common import model_dir, params_option, read_run_ids, run_ids_file
 from stages.workers import gpu_request, launch_workers, run_facts, slurm_ready, submit_to_slurm
 
@@ -151,7 +155,7 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
     if mode == "ddp" and device.type == "cpu":
         parallel.limit_cpu_threads(rank)
     if config.tracking.enabled:
-        tracking.check_worker_store(rank)
+        check_worker_store(rank)
 
     with parallel.process_group(rank, device) if mode == "ddp" else nullcontext():
         data = load_prepared(data_dir, ("train", "val"))
@@ -169,14 +173,14 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
         facts = {**run_facts(mode, rank, device, distributed=mode == "ddp"), **record.inputs(params, data_dir)}
         if state is None and not parallel.restarted_by_torchrun():
             # A fresh training (under any launcher): what an earlier one left unsent is not its to replay.
-            dropped = outbox.discard(out / tracking.OUTBOX_DIR, f"rank-{rank.rank}")
+            dropped = outbox.discard(out / OUTBOX_DIR, f"rank-{rank.rank}")
             if dropped:
                 log.warning("%s: rank %d dropped %d tracking calls an earlier training kept for its own runs",
                             mode, rank.rank, dropped)
-        runs = tracking.start_mode_run(config.tracking, mode, rank, facts, params,
-                                       state.get("extra", {}).get("mlflow") if state else None,
-                                       outbox_dir=out / tracking.OUTBOX_DIR)
-        with tracking.until_done(runs):  # from the moment the runs exist: nothing may leave them RUNNING
+        runs = start_mode_run(config.tracking, mode, rank, facts, params,
+                              state.get("extra", {}).get("mlflow") if state else None,
+                              outbox_dir=out / OUTBOX_DIR)
+        with until_done(runs):  # from the moment the runs exist: nothing may leave them RUNNING
             if rank.is_main:  # at once, so the launcher can end these runs if a worker is killed outright
                 write_json(run_ids_file(mode), runs.ids)
             if state is None:  # a resumed run has them already
@@ -205,7 +209,7 @@ def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Ra
     write_text(STEPS_DIR / f"{mode}.csv", csv_text(step_rows(history), ("step", "epoch", "train_loss")))
     write_json(BREAKDOWN_DIR / f"{mode}.json", breakdown_summary(config, mode, rank, device, history))
     write_json(run_ids_file(mode), runs.ids)
-    # The run's files are uploaded from the mode's own folder only (tracking.op_checker): copies.
+    # The run's files are uploaded from the mode's own folder only (delivery.op_checker): copies.
     run_files = out / RUN_FILES
     write_text(run_files / "params.yaml", params_text)  # as read at the start, not as the file is now
     write_text(run_files / curves.name, curves.read_text())
@@ -234,26 +238,26 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
     inputs = checkpoint.inputs_digest(data_dir, CODE_DIRS)
     settings = stage_settings(config)
     record = unfinished(out)
-    kept = outbox.unsent(out / tracking.OUTBOX_DIR)
+    kept = outbox.unsent(out / OUTBOX_DIR)
     if asked and (out / CHECKPOINT_FILE).is_file():  # ours, and of these settings: said before anything changes
         checkpoint.load_checkpoint(out / CHECKPOINT_FILE, trajectory(config.train, mode))
     go_on = asked  # --resume: continue whatever is there (the workers check it again, on every node's disk)
-    missing = tracking.missing_runs(config.tracking, read_run_ids(mode)) if (record is not None or asked or kept) else []
+    missing = missing_runs(config.tracking, read_run_ids(mode)) if (record is not None or asked or kept) else []
     if record is None and kept and not asked and not missing:  # a fresh start would drop what can still be sent
         raise PipelineError(
-            f"{out / tracking.OUTBOX_DIR}: {kept} tracking calls of the last training (finished, its outputs saved) "
+            f"{out / OUTBOX_DIR}: {kept} tracking calls of the last training (finished, its outputs saved) "
             f"were never sent: send them with `mnist-pipeline send-runs --mode {mode}` once the tracking store "
             f"answers (or drop them with `mnist-pipeline send-runs --mode {mode} --discard`), then run again")
     if asked and missing and (out / CHECKPOINT_FILE).is_file():
         raise PipelineError(
             f"{out / CHECKPOINT_FILE} continues MLflow runs that the tracking store "
-            f"{tracking.shown(tracking.tracking_uri())} does not hold ({missing[0]}...): set MLFLOW_TRACKING_URI "
+            f"{shown(tracking_uri())} does not hold ({missing[0]}...): set MLFLOW_TRACKING_URI "
             "back to the store it was trained with, or train afresh without --resume")
     if record is not None and not asked:
         why_not = checkpoint.why_not_continue(out, record, trajectory(config.train, mode), inputs, settings)
         if why_not is None and missing:
             why_not = (f"its MLflow runs are not in (or were deleted from) the tracking store "
-                       f"{tracking.shown(tracking.tracking_uri())} (was MLFLOW_TRACKING_URI changed?)")
+                       f"{shown(tracking_uri())} (was MLFLOW_TRACKING_URI changed?)")
         go_on = why_not is None
         if go_on:
             log.info("%s: continuing the training interrupted in %s", mode, out)
@@ -261,15 +265,15 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
             log.warning("%s: the training interrupted in %s cannot go on: %s; starting afresh, its MLflow "
                         "runs end FAILED", mode, out, why_not)
             if not missing:
-                tracking.fail_unfinished(config.tracking, read_run_ids(mode))
+                fail_unfinished(config.tracking, read_run_ids(mode))
     if not go_on:  # what an earlier training left there (its logs are in MLflow and DVC's cache)
         (out / CHECKPOINT_FILE).unlink(missing_ok=True)
         for folder in ("logs", TRACE_DIR):
             shutil.rmtree(out / folder, ignore_errors=True)
-        dropped = outbox.discard(out / tracking.OUTBOX_DIR)
+        dropped = outbox.discard(out / OUTBOX_DIR)
         if dropped:  # said, not silent: they were an earlier training's, for runs now ended
             log.warning("%s: dropped %d tracking calls an earlier training kept in %s for its own runs, which "
-                        "were never sent", mode, dropped, out / tracking.OUTBOX_DIR)
+                        "were never sent", mode, dropped, out / OUTBOX_DIR)
     # Going on from a training whose outputs were complete: it still was (write_outputs logs no model again).
     complete = {OUTPUTS_COMPLETE: record[OUTPUTS_COMPLETE]} if go_on and OUTPUTS_COMPLETE in (record or {}) else {}
     write_json(out / UNFINISHED_FILE, {"inputs": inputs, "settings": settings,
@@ -293,7 +297,7 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
     leave the last one's checkpoint, logs and runs as they were (pick_up changes them)."""
     check_output_folders(mode)
     if config.tracking.enabled:
-        tracking.preflight(config.tracking)  # store, schema, host, account, experiment name
+        preflight(config.tracking)  # store, schema, host, account, experiment name
     if config.train.launcher == "local" or mode != "ddp":
         parallel.gpus_as_wanted(config.train.device)  # train.device: cuda without a GPU fails here
     parallel.check_every_mode(config.train, mode)
@@ -306,7 +310,7 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
             slurm_ready()
             gpu_request(config)
         if config.tracking.enabled:  # a store on one node's disk cannot take ranks from several
-            tracking.check_worker_store(parallel.Rank(world_size=workers * nodes, local_world_size=workers))
+            check_worker_store(parallel.Rank(world_size=workers * nodes, local_world_size=workers))
     check_prepared(data_dir, config.train.batch_size)
 
 
@@ -397,7 +401,7 @@ def check_output_folders(mode: str) -> None:
     if it cannot be saved."""
     for folder in (model_dir(mode), RESULTS_DIR, CURVES_DIR, STEPS_DIR, BREAKDOWN_DIR):
         writable_folder(folder)
-    for folder in ("logs", TRACE_DIR, RUN_FILES, tracking.OUTBOX_DIR):  # made later, by the training
+    for folder in ("logs", TRACE_DIR, RUN_FILES, OUTBOX_DIR):  # made later, by the training
         in_the_way(model_dir(mode) / folder)
 
 
@@ -416,5 +420,5 @@ def launch_ddp(config: Config, params_path: str, data_dir: str, resume: bool) ->
     except BaseException:
         # A worker killed outright (SIGKILL, out of memory) could not end its own run: the
         # launcher ends every run of this training that is still RUNNING.
-        tracking.fail_unfinished(config.tracking, read_run_ids("ddp"))
+        fail_unfinished(config.tracking, read_run_ids("ddp"))
         raise

@@ -43,7 +43,7 @@ def hold_sqlite_lock(store: Path, seconds: float) -> subprocess.Popen:
 def test_a_store_held_locked_is_refused_in_one_line_before_the_disk_changes(project, tmp_path, monkeypatch):
     """MLflow's engine gives up after SQLite's 5 s, after the checkpoint was removed; the start
     check waits as long as a busy store may take (SQLITE_BUSY_S), then says who holds it."""
-    from pipeline import tracking
+    from pipeline.tracking import store as tracking
     from pipeline.errors import PipelineError
 
     store = tmp_path / "mlflow.db"
@@ -63,7 +63,7 @@ def test_a_store_held_locked_is_refused_in_one_line_before_the_disk_changes(proj
 
 
 def test_a_lock_released_in_time_only_delays_the_start(tmp_path):
-    from pipeline.tracking import check_store
+    from pipeline.tracking.store import check_store
 
     store = tmp_path / "mlflow.db"
     sqlite3.connect(store).execute("CREATE TABLE t (x)")
@@ -81,7 +81,7 @@ def test_a_locked_store_is_named_as_locked_not_by_sqlalchemys_note():
     """The outbox's warning gives the database's own words."""
     from sqlalchemy.exc import OperationalError
 
-    from pipeline.outbox import _short
+    from pipeline.tracking.outbox import _short
 
     wrapped = OperationalError("(raised as a result of Query-invoked autoflush; consider using a session.no_autoflush "
                                "block if this flush is occurring prematurely)", None,
@@ -103,7 +103,7 @@ def test_a_file_where_the_artifact_folder_goes_is_found_before_training(project)
 
 
 def test_enotdir_is_a_refusal_not_an_outage():
-    from pipeline.tracking import refused
+    from pipeline.tracking.store import refused
 
     assert refused(NotADirectoryError(20, "Not a directory"))
     assert refused(OSError(20, "Not a directory"))
@@ -138,7 +138,7 @@ def path_of_length(root: Path, length: int) -> Path:
 
 def test_a_store_path_past_sqlites_limit_names_the_limit(tmp_path, monkeypatch):
     from pipeline.errors import PipelineError
-    from pipeline.tracking import SQLITE_MAX_PATH, check_store
+    from pipeline.tracking.store import SQLITE_MAX_PATH, check_store
 
     too_long = path_of_length(tmp_path / "a", SQLITE_MAX_PATH + 1)
     with pytest.raises(PipelineError, match=f"longer than the {SQLITE_MAX_PATH} bytes SQLite can open"):
@@ -154,7 +154,7 @@ def test_a_run_deleted_in_the_store_counts_as_missing(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
     from pipeline.config import TrackingConfig, load_config
-    from pipeline.tracking import missing_runs
+    from pipeline.tracking.runs import missing_runs
 
     store = f"sqlite:///{tmp_path / 'm.db'}"
     client = MlflowClient(store)

@@ -66,7 +66,7 @@ def cycle_from(start: str, edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_is_read_from_the_source():
     edges = graph()
-    assert "pipeline.config" in edges["stages.train"] and "pipeline.tracking" in edges["stages.train"]
+    assert "pipeline.config" in edges["stages.train"] and "pipeline.tracking.runs" in edges["stages.train"]
     assert "pipeline.runtime.warm" in edges["stages.entry"]  # an import inside a function counts
     assert "stages.train" in edges["stages.cli"]  # and a module importlib imports by name
 
@@ -86,3 +86,32 @@ def test_the_library_never_imports_the_cli():
 def test_a_cycle_would_be_found():
     edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycle_from("a", edges) == ["a", "b", "c", "a"] and cycle_from("d", edges) is None
+
+
+def mlflow_importers() -> set[str]:
+    found = set()
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            if any(n.split(".")[0] == "mlflow" for n in names):
+                found.add(name)
+    return found
+
+
+def test_only_the_tracking_package_imports_mlflow():
+    importers = mlflow_importers()
+    assert "pipeline.tracking.runs" in importers  # the walk finds an import inside a function
+    assert sorted(name for name in importers if not name.startswith("pipeline.tracking.")) == []
+
+
+def test_each_tracking_module_holds_one_concern_in_at_most_400_lines():
+    sizes = {path.name: len(path.read_text().splitlines()) for path in (ROOT / "pipeline" / "tracking").glob("*.py")}
+    assert len(sizes) > 5 and {name: n for name, n in sizes.items() if n > 400} == {}
+
+
+def test_the_tracking_package_init_imports_no_module_of_its_own():
+    """Importing any tracking module runs the package's __init__: were it to import its modules, every
+    stage would depend on all of them (tests/test_dvc_deps.py)."""
+    edges = graph()
+    assert edges["pipeline.tracking"] == set()

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from pipeline.tracking import until_done
+from pipeline.tracking.runs import until_done
 
 
 class RecordingRuns:

@@ -3,7 +3,7 @@
 import json
 import threading
 
-from pipeline.outbox import Outbox, replay
+from pipeline.tracking.outbox import Outbox, replay
 
 
 class Flaky:
@@ -114,7 +114,7 @@ def test_a_damaged_line_is_reported_as_file_and_line_and_the_good_lines_still_go
 
 
 def test_the_checker_refuses_what_a_training_never_asks(tmp_path, caplog):
-    from pipeline.tracking import op_checker
+    from pipeline.tracking.delivery import op_checker
 
     mode_dir = tmp_path / "models/single"
     (mode_dir / "logs").mkdir(parents=True)
@@ -148,7 +148,7 @@ def test_refusals_and_outages_as_mlflow_raises_them(tmp_path):
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, TEMPORARILY_UNAVAILABLE
 
-    from pipeline.tracking import refused
+    from pipeline.tracking.store import refused
     from tests.conftest import free_port
 
     try:
@@ -165,7 +165,7 @@ def test_refusals_and_outages_as_mlflow_raises_them(tmp_path):
 
 
 def test_a_line_that_is_not_utf8_is_one_damaged_line_and_discard_always_works(tmp_path, caplog):
-    from pipeline.outbox import discard
+    from pipeline.tracking.outbox import discard
 
     folder = tmp_path / "box"
     folder.mkdir()
@@ -179,7 +179,7 @@ def test_a_line_that_is_not_utf8_is_one_damaged_line_and_discard_always_works(tm
 
 
 def test_the_checker_holds_a_line_to_this_trainings_runs_files_and_registry_name(tmp_path, caplog):
-    from pipeline.tracking import op_checker
+    from pipeline.tracking.delivery import op_checker
 
     mode_dir = tmp_path / "models/single"
     (mode_dir / "logs").mkdir(parents=True)

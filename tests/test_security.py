@@ -49,7 +49,9 @@ def test_telemetry_is_off_unless_the_user_turns_it_on():
 
 def test_credentials_in_a_tracking_uri_are_never_printed_or_written(tmp_path):
     from pipeline.parallel import Rank
-    from pipeline.tracking import _outbox, shown, ui_link
+    from pipeline.tracking.delivery import outbox_for
+    from pipeline.tracking.links import ui_link
+    from pipeline.tracking.store import shown
 
     assert shown("http://alice:s3cret@tracking:5000/x") == "http://alice:***@tracking:5000/x"
     assert shown("http://tracking:5000") == "http://tracking:5000"
@@ -71,7 +73,7 @@ def test_credentials_in_a_tracking_uri_are_never_printed_or_written(tmp_path):
                  **project_env(project))
     assert result.returncode == 1 and "--to http://alice:***@127.0.0.1" in result.stderr, result.stderr
     assert "s3cret" not in result.stdout + result.stderr
-    box = _outbox(tmp_path / "models/single/tracking-outbox", Rank(), uri)
+    box = outbox_for(tmp_path / "models/single/tracking-outbox", Rank(), uri)
     box.put({"op": "end", "run": RUN, "status": "FINISHED"})
     box.close()
     for path in (tmp_path / "models").rglob("*"):
@@ -118,7 +120,7 @@ def test_replaying_a_model_never_reopens_its_run(tmp_path, monkeypatch):
 
     from pipeline.atomic import save_torch
     from pipeline.model import build_model
-    from pipeline.tracking import _deliver
+    from pipeline.tracking.delivery import _deliver
 
     monkeypatch.chdir(tmp_path)
     store = f"sqlite:///{tmp_path / 'm.db'}"
@@ -149,7 +151,8 @@ def test_loading_a_logged_model_never_unpickles_what_is_in_the_store(tmp_path, m
 
     from pipeline.atomic import save_torch
     from pipeline.model import build_model
-    from pipeline.tracking import _deliver, load_model
+    from pipeline.tracking.delivery import _deliver
+    from pipeline.tracking.model import load_model
 
     monkeypatch.chdir(tmp_path)
     store = f"sqlite:///{tmp_path / 'm.db'}"

@@ -301,7 +301,7 @@ def test_a_deleted_experiment_is_found_before_the_disk_changes(project, tmp_path
 def test_a_store_another_process_is_writing_delays_the_start_not_fails_it(tmp_path):
     """SQLite answers "database is locked" at once, without its busy timeout, when a connection
     switches to WAL while another process writes (an `mlflow ui` making a fresh store's tables)."""
-    from pipeline.tracking import check_store
+    from pipeline.tracking.store import check_store
 
     store = tmp_path / "mlflow.db"
     writer = subprocess.Popen([sys.executable, "-c", (

@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 
 from pipeline import record
 from pipeline.model import build_model
-from pipeline.tracking import load_model
+from pipeline.tracking.model import load_model
 from tests.conftest import (SMALL, commit_notes, edit_notes, first_epoch_run, free_port, make_project, project_env, run,
                             subprocess_env, train_cli)
 
@@ -238,7 +238,7 @@ def test_a_registered_model_name_mlflow_would_refuse_is_refused_before_training(
 def test_the_store_url_names_the_project_file_as_sqlalchemy_reads_it(tmp_path, name):
     from sqlalchemy.engine import make_url
 
-    from pipeline.tracking import sqlite_uri
+    from pipeline.tracking.store import sqlite_uri
 
     path = tmp_path / name / "mlflow.db"
     assert make_url(sqlite_uri(path)).database == str(path)

@@ -1,4 +1,4 @@
-"""evaluate's and compare's MLflow calls, made by the helper process (pipeline.tracking_helper):
+"""evaluate's and compare's MLflow calls, made by the helper process (pipeline.tracking.helper):
 the same runs, metrics and files as in the stage's own process, the same one-line errors, and the
 call made in the stage itself when the helper is gone."""
 
@@ -10,7 +10,8 @@ from contextlib import closing
 import pytest
 from mlflow import MlflowClient
 
-from pipeline import tracking, tracking_helper
+from pipeline.tracking import after_training as tracking
+from pipeline.tracking import helper as tracking_helper
 from pipeline.config import TrackingConfig
 from pipeline.errors import PipelineError
 

@@ -17,7 +17,7 @@ import mlflow
 import torch
 from mlflow import MlflowClient
 
-from pipeline.tracking import load_model
+from pipeline.tracking.model import load_model
 
 from tests.conftest import free_port, project_env, run, subprocess_env
 from tests.test_tracking import project_with

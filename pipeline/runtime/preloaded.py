@@ -19,6 +19,7 @@ os.setsid()
 # First, as the CLI does in every process before any tensor: the workers inherit the setting.
 malloc.keep_freed_memory()
 
-import pipeline.tracking  # noqa: E402  (its MLflow settings come before MLflow reads them)
-import mlflow.store.tracking.sqlalchemy_store  # noqa: E402,F401  the default store, opened by every rank
+from pipeline.tracking import store  # noqa: E402  (the package's MLflow settings come before MLflow reads them)
+
+store.import_sql_store()
 import torch.distributed.elastic.multiprocessing  # noqa: E402,F401  what unpickles each worker's entry

@@ -3,10 +3,10 @@
 `mlflow.pyfunc.load_model` runs this file from the installed package's copy logged beside the
 weights and reads the weights with `torch.load(weights_only=True)`, which builds tensors and plain
 containers and refuses anything else: a pickled nn.Module, as `mlflow.pytorch` logs it, would run
-whatever code anyone who can write to the artifact store put into it. `pipeline.tracking.load_model`
+whatever code anyone who can write to the artifact store put into it. `pipeline.tracking.model.load_model`
 goes further and runs nothing from the store at all (docs/mlflow.md says which to use when).
 
-Apart from pipeline.tracking, the only module that imports mlflow: MLflow executes it on load.
+In pipeline.tracking, the package whose modules alone import mlflow: MLflow executes it on load.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The tracking helper process itself (`python -m pipeline.tracking_helper_main`, started by
-pipeline.tracking_helper): MLflow and the store loaded first, then pipeline.tracking's calls, one per
-line. A module of its own, imported by nothing: pipeline.tracking imports the helper's client side,
-and this side imports pipeline.tracking, so neither import runs back up.
+"""The tracking helper process itself (`python -m pipeline.tracking.helper_main`, started by
+pipeline.tracking.helper): MLflow and the store loaded first, then pipeline.tracking.after_training's
+calls, one per line. A module of its own, imported by nothing: after_training imports the helper's
+client side, and this side imports after_training, so neither import runs back up.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import traceback
 from pathlib import Path
 
 from pipeline.errors import PipelineError
-from pipeline.tracking_helper import CALLS
+from pipeline.tracking.helper import CALLS
 
 
 def serve() -> None:
@@ -26,13 +26,13 @@ the call, then the call's answer."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the stage's to handle; this ends with it
     from pipeline.config import TrackingConfig
 
-    from pipeline import tracking
+    from pipeline.tracking import after_training, store
 
     try:  # what the first call would otherwise wait for: MLflow, and a local store's schema check
         from mlflow import MlflowClient
 
-        client = MlflowClient(tracking.tracking_uri())
-        if tracking.tracking_uri().startswith("sqlite:"):  # a server is only asked when a call needs it
+        client = MlflowClient(store.tracking_uri())
+        if store.tracking_uri().startswith("sqlite:"):  # a server is only asked when a call needs it
             client.search_experiments(max_results=1)
     except Exception:  # the call itself reports what is wrong with the store
         pass
@@ -48,7 +48,7 @@ the call, then the call's answer."""
         try:
             if request["call"] not in CALLS:  # only the calls this module exists for, never any attribute
                 raise ValueError(f"not a tracking helper call: {request['call']!r}")
-            reply = {"result": getattr(tracking, request["call"])(**kwargs)}
+            reply = {"result": getattr(after_training, request["call"])(**kwargs)}
         except PipelineError as exc:
             reply = {"error": str(exc)}
         except Exception:

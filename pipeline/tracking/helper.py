@@ -4,7 +4,7 @@ that imports MLflow while the stage itself imports torch and matplotlib and comp
 MLflow with its SQL store costs more than a bare torch import to load (benchmarks/
 pipeline_overhead.py). In the stage's own process that import came before or between the stage's
 work; in a helper started first thing (stages/cli.py), it runs on another core beside it. The stage
-then sends each call (`CALLS`, pipeline.tracking's own functions, run unchanged in the helper) as
+then sends each call (`CALLS`, pipeline.tracking.after_training's own functions, run unchanged in the helper) as
 one JSON line and waits for its answer: an error comes back as the same one-line PipelineError the
 call would have raised in the stage. Should the helper be gone before it took a call, the call runs
 in the stage itself; gone during one, the stage fails: nothing is ever logged twice.
@@ -30,18 +30,18 @@ _running: Helper | None = None
 
 # How long a stage that ends (Ctrl-C, an error) waits for the helper to finish a call it took: a
 # compare run it is making must still end FINISHED or FAILED, not be cut off RUNNING. MLflow's own
-# retries are kept short (pipeline.tracking), so a call does not take longer.
+# retries are kept short (pipeline/tracking/__init__.py), so a call does not take longer.
 IN_FLIGHT_S = 60
 
 
 class Helper:
     def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "pipeline.tracking_helper_main"], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen([sys.executable, "-m", "pipeline.tracking.helper_main"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True)
         self._in_flight = False  # a call taken, its answer not read yet
 
     def call(self, name: str, **kwargs: Any) -> Any:
-        """`pipeline.tracking.<name>(**kwargs)`, run in the helper; NOT_SENT if the helper is gone
+        """`pipeline.tracking.after_training.<name>(**kwargs)`, run in the helper; NOT_SENT if the helper is gone
         before it took the call (then the caller makes it: nothing is logged twice)."""
         try:
             self._proc.stdin.write(json.dumps({"call": name, "kwargs": kwargs}) + "\n")

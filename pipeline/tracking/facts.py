@@ -1,0 +1,69 @@
+"""What a run records about where it ran: the commit and its uncommitted change, the DVC
+experiment, and the prepared splits it read as MLflow datasets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+from pipeline import record
+
+
+def dvc_experiment_facts() -> dict[str, str]:
+    """The DVC experiment a run belongs to (set by `dvc exp run`), so a row of `dvc exp show` and
+    its MLflow runs find each other."""
+    facts = {"dvc_experiment": os.environ.get("DVC_EXP_NAME"),
+             "dvc_baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV")}
+    return {key: value for key, value in facts.items() if value}
+
+
+def git_facts() -> dict[str, str]:
+    commit = record.git("rev-parse", "HEAD").strip()
+    dirty = record.git("status", "--porcelain", "--untracked-files=no").strip()
+    return {"git_commit": commit or "unknown", "git_dirty": str(bool(dirty)).lower() if commit else "unknown"}
+
+
+def log_uncommitted_change(client, parent_id: str) -> None:
+    """A dirty tree's change, on the parent run, so that the run can still be re-made from its
+    record (`mnist-pipeline reproduce`); the tag says where it is."""
+    import tempfile
+
+    patch = record.uncommitted_patch()
+    if patch:
+        with tempfile.TemporaryDirectory() as folder:  # bytes as git wrote them: no text round trip
+            path = Path(folder) / record.PATCH_FILE
+            path.write_bytes(patch)
+            client.log_artifact(parent_id, str(path), record.PATCH_FOLDER)
+        client.set_tag(parent_id, "git_patch", record.PATCH_ARTIFACT)
+
+
+def _file_md5(path: Path) -> str:
+    digest = hashlib.md5()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def dataset_inputs(data_dir: Path, splits: Iterable[str]) -> list:
+    """The prepared splits a run read, as MLflow datasets (the UI's Dataset column): the file, its
+    digest, and the MNIST files it came from with the MD5s the prepare stage verified."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+
+    from pipeline.prepared import load_stats
+
+    stats = load_stats(data_dir)
+    inputs = []
+    for split in splits:
+        path = Path(data_dir) / f"{split}.pt"
+        origin = "t10k-" if split == "test" else "train-"  # val is carved out of MNIST's training files
+        profile = {"images": stats["splits"][split]["count"], "class_counts": stats["splits"][split]["class_counts"],
+                   "mnist_files_md5": {name: f["md5"] for name, f in stats["sources"].items() if name.startswith(origin)},
+                   "checksums_verified": stats["checksums_verified"]}
+        dataset = Dataset(name=f"mnist-{split}", digest=_file_md5(path)[:10], source_type="local",
+                          source=json.dumps({"uri": str(path)}), profile=json.dumps(profile))
+        inputs.append(DatasetInput(dataset, [InputTag("mlflow.data.context", split)]))
+    return inputs
