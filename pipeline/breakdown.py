@@ -344,7 +344,8 @@ def export_trace(profiler, folder: Path | None, cuda: bool) -> Path | None:
 def timeline(trace_file: Path, rank: int, steps: int = 2) -> list[dict]:
     """The traced steps as bars to draw: [lane, name, start ms, duration ms] from the Chrome trace,
     times from the first phase's start. Lanes: the training thread's phases (and DataParallel's
-    parts), the backend's collectives (on whatever thread or stream runs them), the GPU's kernels."""
+    parts), the backend's collectives (on whatever thread or stream runs them), and each GPU's
+    kernels (Kineto names the device of each: DataParallel's process runs kernels on every GPU)."""
     events = [e for e in json.loads(trace_file.read_text()).get("traceEvents", []) if e.get("ph") == "X"]
     phases = [e for e in events if e["name"] in PHASES and e.get("cat") != "gpu_user_annotation"]
     if not phases:
@@ -360,7 +361,8 @@ def timeline(trace_file: Path, rank: int, steps: int = 2) -> list[dict]:
         elif name.startswith(COMM_EVENT_PREFIXES):
             lane = "collectives"
         elif e.get("cat") == "kernel":
-            lane = "GPU kernels"
+            device = (e.get("args") or {}).get("device")
+            lane = f"GPU {device} kernels" if device is not None else "GPU kernels"
         else:
             continue
         bars.append({"rank": rank, "lane": lane, "name": name, "start_ms": round((e["ts"] - origin) / 1000, 4),

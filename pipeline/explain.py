@@ -3,6 +3,7 @@ for it, a projection to more devices, and a timeline of two traced steps per mod
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pipeline import scaling
@@ -128,13 +129,23 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
     return "\n".join(lines)
 
 
+KERNELS = re.compile(r"^GPU \d+")  # "GPU 3 kernels": one lane per device, one entry in the legend
+
+
+def lane_order(lane: tuple[int, str]) -> tuple:
+    """Rank by rank, and GPU 2's kernels before GPU 10's."""
+    rank, name = lane
+    return rank, [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def timeline_png(breakdowns: dict[str, dict], path: Path) -> None:
     """Two traced steps of each mode, drawn from each rank's profiler trace: the training thread's
     phases, the backend's collectives, DataParallel's parts and GPU kernels, lane by lane."""
     plt = pyplot()
     modes = [(mode, [bar for r in b.get("ranks", []) for bar in r.get("timeline", [])]) for mode, b in breakdowns.items()]
     modes = [(mode, bars) for mode, bars in modes if bars] or [("no trace (train.trace_steps: 0)", [])]
-    lanes = [sorted({(b["rank"], b["lane"]) for b in bars}, reverse=True) or [(0, "")] for _, bars in modes]
+    lanes = [sorted({(b["rank"], b["lane"]) for b in bars}, key=lane_order, reverse=True) or [(0, "")]
+             for _, bars in modes]
     figure, panels = plt.subplots(len(modes), 1, figsize=(10, 1.0 + sum(0.9 + 0.45 * len(l) for l in lanes)),
                                   gridspec_kw={"height_ratios": [1 + len(l) for l in lanes]}, squeeze=False)
     shown = {}
@@ -144,7 +155,7 @@ def timeline_png(breakdowns: dict[str, dict], path: Path) -> None:
             colours = [COLOURS.get(b["name"], "tab:red" if lane[1] == "collectives" else "black") for b in mine]
             axes.broken_barh([(b["start_ms"], b["ms"]) for b in mine], (row - 0.4, 0.8), color=colours)
             for b, colour in zip(mine, colours):
-                shown.setdefault(b["name"] if b["name"] in COLOURS else lane[1], colour)
+                shown.setdefault(b["name"] if b["name"] in COLOURS else KERNELS.sub("GPU", lane[1]), colour)
         axes.set_yticks(range(len(mode_lanes)), [f"rank {r}: {lane}" for r, lane in mode_lanes], fontsize="small")
         axes.set_title(mode, loc="left", fontsize="medium")
         axes.set_xlabel("ms from the first traced step's start")

@@ -48,6 +48,7 @@ MECHANISMS = [
     ("an empty DDP share under bf16 and channels_last", "test_an_empty_share_trains_nothing_on_the_gpu"),
     ("DDP over NCCL, uneven shares, float32 without TF32", "test_ddp_on_every_gpu_agrees_with_single"),
     ("DataParallel's scatter, replicas and gather over every GPU", "test_dataparallel_over_every_gpu_agrees_with_single"),
+    ("the timeline: a lane for each GPU's kernels", "test_dataparallel_over_every_gpu_agrees_with_single"),
     ("a dropout stream per DataParallel replica (each GPU's generator)", "test_dataparallel_replicas_draw_dropout_masks_of_their_own"),
     ("bf16 keeps float32's accuracy", "test_bf16_keeps_float32_accuracy"),
     ("deterministic cuDNN/cuBLAS: identical reruns, bit-identical resume", "test_a_resume_on_the_gpu_ends_with_the_uninterrupted_weights_bit_for_bit"),

@@ -78,6 +78,34 @@ def _train(r: int, world: int, out: str, breakdown_steps: int) -> None:
     (folder / f"result-{breakdown_steps}.json").write_text(json.dumps(result))
 
 
+def kineto_trace(path: Path, devices: int) -> Path:
+    """A Chrome trace as torch.profiler (Kineto) writes DataParallel's: the phases as CPU ranges (and
+    their copies on the GPU's timeline), then each GPU's kernels, which name their device in args."""
+    events = [{"ph": "X", "cat": "user_annotation", "name": name, "ts": 1000 + 100 * i, "dur": 100, "pid": 1, "tid": 1}
+              for i, name in enumerate(("data", "forward", "backward", "optimizer"))]
+    events += [{"ph": "X", "cat": "gpu_user_annotation", "name": "forward", "ts": 1100, "dur": 100, "pid": 0, "tid": 7}]
+    events += [{"ph": "X", "cat": "kernel", "name": "void gemm<float>", "ts": 1110 + device, "dur": 40, "pid": device,
+                "tid": 7, "args": {"device": device, "stream": 7, "correlation": 10 + device}}
+               for device in range(devices)]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_each_gpu_s_kernels_get_a_lane_of_their_own(tmp_path):
+    """DataParallel over 12 GPUs runs kernels on each from one process: a lane per device, in device
+    order (GPU 2 before GPU 10), one legend entry for them all."""
+    from pipeline.breakdown import timeline
+    from pipeline.explain import lane_order, timeline_png
+
+    bars = timeline(kineto_trace(tmp_path / "trace.json", 12), rank=0)
+    lanes = {bar["lane"] for bar in bars}
+    assert lanes == {"phases"} | {f"GPU {d} kernels" for d in range(12)}
+    assert [bar["start_ms"] for bar in bars if bar["lane"] == "GPU 3 kernels"] == [0.113]
+    assert sorted(lanes, key=lambda lane: lane_order((0, lane)))[:3] == ["GPU 0 kernels", "GPU 1 kernels", "GPU 2 kernels"]
+    timeline_png({"dp": {"ranks": [{"timeline": bars}]}}, tmp_path / "timeline.png")
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_ddp_ranks_measure_their_buckets_and_trace_at_an_odd_world_size(tmp_path):
     """3 ranks: the comm hook keeps DDP's arithmetic (the same weights, bit for bit, as DDP's
     built-in all-reduce), every rank measures its one bucket of the model's gradients, and each

@@ -154,6 +154,10 @@ def test_dataparallel_over_every_gpu_agrees_with_single(gpu_project):
     assert json.loads((gpu_project / "results/train/dp.json").read_text())["dp_devices"] == count
     history = torch.load(gpu_project / "models/dp/checkpoint.pt", weights_only=True)["history"]
     assert all(history[-1][f"gpu{i}_peak_memory_mb"] > 0 for i in range(count))
+    # The traced steps' kernels, GPU by GPU: each device a lane of the timeline.
+    ranks = json.loads((gpu_project / "results/breakdown/dp.json").read_text())["ranks"]
+    lanes = {bar["lane"] for rank in ranks for bar in rank["timeline"]}
+    assert {f"GPU {i} kernels" for i in range(count)} <= lanes, sorted(lanes)
     difference = relative_difference(load_weights(gpu_project, "single"), load_weights(gpu_project, "dp"))
     print(f"relative |single - dp| after 20 steps in float32: {difference:.2e}")
     assert difference < FP32_RELATIVE_TOLERANCE
