@@ -92,19 +92,48 @@ DRIVER_TOO_OLD = re.compile(r"driver on your system is too old \(found version (
 DRIVER_FLOOR = {"12": 525, "13": 580}
 
 
-def driver_gpus() -> tuple[int, str] | None:
+def driver_gpus() -> tuple[int, str] | str | None:
     """(GPUs, driver version) as the NVIDIA driver itself reports them through NVML, which works
-    whatever CUDA version the driver supports; None without a driver."""
+    whatever CUDA version the driver supports; None without a driver (no libnvidia-ml); NVML's own
+    error where its library loads but cannot start: a container started without --gpus that has
+    the driver's libraries anyway, or one whose GPUs were lost ("Unknown Error")."""
     try:
         import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return pynvml.nvmlDeviceGetCount(), pynvml.nvmlSystemGetDriverVersion()
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # no driver, no libnvidia-ml: no GPU to speak of
+    except ImportError:
         return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError_LibraryNotFound:
+        return None
+    except pynvml.NVMLError as exc:
+        return str(exc)
+    try:
+        return pynvml.nvmlDeviceGetCount(), pynvml.nvmlSystemGetDriverVersion()
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+
+
+# The run id of the workers this pipeline's launcher starts (launch_workers): the launcher has said
+# whatever it found out about the host, which its workers then need not repeat.
+RUN_ID_PREFIX = "mnist-"
+# NVML's error, where the driver's libraries are here but NVML cannot start (set by cuda_device_count).
+nvml_failure: str | None = None
+
+
+def nvml_cannot_start(error: str) -> str:
+    return (f"the NVIDIA driver's libraries are here, but NVML cannot start ({error}), as in a container started "
+            "without --gpus or one whose GPUs were lost")
+
+
+@functools.cache
+def say_no_usable_gpu() -> None:
+    """train.device auto on such a host: one line a node, by the launcher (or a lone process), not
+    again by each of its workers."""
+    if os.environ.get("TORCHELASTIC_RUN_ID", "").startswith(RUN_ID_PREFIX) or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    log.warning("no usable GPU: %s; running on the CPU", nvml_cannot_start(nvml_failure))
 
 
 @functools.cache
@@ -112,7 +141,8 @@ def cuda_device_count() -> int:
     """The GPUs this process can use. GPUs the driver shows but CUDA cannot use are an error that
     names the driver: with a driver older than this torch's CUDA, torch warns once (easy to miss)
     and reports no GPU, and training would go to the CPU. (torch.cuda.device_count() asks NVML
-    first, which sees the GPUs whatever the driver's CUDA version, so it cannot tell.)"""
+    first, which sees the GPUs whatever the driver's CUDA version, so it cannot tell.) Where the
+    driver's libraries are here but NVML cannot start, none, and `nvml_failure` says why."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         usable = torch.cuda.is_available()  # the CUDA runtime's own count, which fails on an old driver
@@ -122,7 +152,11 @@ def cuda_device_count() -> int:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     if usable:
         return torch.cuda.device_count()
+    global nvml_failure
     driver = driver_gpus()
+    nvml_failure = driver if isinstance(driver, str) else None
+    if nvml_failure is not None:
+        driver = None
     if too_old is None and not (driver and driver[0]):
         return 0  # no GPU here
     needed = torch.version.cuda or "?"
@@ -151,8 +185,11 @@ def gpus_as_wanted(wanted: str, who: str = "this process") -> bool:
         raise PipelineError(
             f"{who}: train.device is cuda, but no GPU is visible"
             + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+            + (f": {nvml_cannot_start(nvml_failure)}" if nvml_failure else "")
             + ". Under Slurm the job must ask for GPUs (train.launcher: slurm asks for train.nproc per node); "
               "a container must be started with --gpus all. Or set train.device: auto to train on the CPU")
+    if nvml_failure:
+        say_no_usable_gpu()
     return False
 
 
@@ -388,7 +425,7 @@ def launch_workers(nproc: int, entrypoint: Callable[..., None], args: Sequence[s
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
-        run_id=f"mnist-{uuid.uuid4().hex[:8]}",
+        run_id=f"{RUN_ID_PREFIX}{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         # The workers reach the agent's store at this address; the host name it would otherwise

@@ -65,7 +65,7 @@ def describe_host() -> list[str]:
     if not torch.cuda.is_available():
         return [f"torch {torch.__version__}: no CUDA device on this host"]
     lines = [f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
-             + (f", NVIDIA driver {driver[1]}" if driver else "")]
+             + (f", NVIDIA driver {driver[1]}" if isinstance(driver, tuple) else "")]
     for index in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(index)
         lines.append(f"cuda:{index} {props.name}, {props.total_memory / 2**30:.0f} GiB, "

@@ -1,5 +1,7 @@
-"""Which device trains: train.device, and a driver too old for this torch's CUDA."""
+"""Which device trains: train.device, a driver too old for this torch's CUDA, and a host whose driver
+libraries are present but whose NVML cannot start."""
 
+import logging
 import os
 import shutil
 import subprocess
@@ -13,7 +15,7 @@ import torch
 from pipeline import parallel
 from pipeline.errors import PipelineError
 from pipeline.parallel import Rank
-from tests.conftest import ROOT, subprocess_env
+from tests.conftest import ROOT, build_stand_in_driver, subprocess_env, train_cli
 
 # c10/cuda/CUDAFunctions.cpp's message, as torch's device count warns it (both parts are checked
 # against the library below, so a torch that words it otherwise fails here first).
@@ -82,6 +84,73 @@ def test_cuda_without_a_gpu_is_an_error_and_auto_is_the_cpu():
     assert parallel.pick_device(Rank(), "auto").type == "cpu"
     with pytest.raises(PipelineError, match="rank 3: train.device is cuda, but no GPU is visible"):
         parallel.pick_device(Rank(rank=3, local_rank=1, world_size=4, local_world_size=2), "cuda")
+
+
+@pytest.fixture
+def nvml_cannot_start(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(parallel, "driver_gpus", lambda: "Unknown Error")
+    for cached in (parallel.cuda_device_count, parallel.say_no_usable_gpu):
+        cached.cache_clear()
+    yield
+    for cached in (parallel.cuda_device_count, parallel.say_no_usable_gpu):
+        cached.cache_clear()
+    parallel.nvml_failure = None
+
+
+def test_nvml_that_cannot_start_is_said_in_one_line_and_auto_trains_on_the_cpu(nvml_cannot_start, caplog,
+                                                                               monkeypatch):
+    with caplog.at_level(logging.WARNING, logger="pipeline.parallel"):
+        assert parallel.pick_device(Rank(), "auto").type == "cpu"
+        assert parallel.pick_device(Rank(), "auto").type == "cpu"  # asked again in the same process: said once
+    said = [record.getMessage() for record in caplog.records]
+    assert said == ["no usable GPU: the NVIDIA driver's libraries are here, but NVML cannot start (Unknown Error), as "
+                    "in a container started without --gpus or one whose GPUs were lost; running on the CPU"]
+    with pytest.raises(PipelineError, match=r"train.device is cuda, but no GPU is visible: .* NVML cannot start "
+                                            r"\(Unknown Error\)"):
+        parallel.pick_device(Rank(), "cuda")
+
+
+@pytest.mark.parametrize("worker_env", [{"TORCHELASTIC_RUN_ID": "mnist-0a1b2c3d", "LOCAL_RANK": "0"},
+                                        {"TORCHELASTIC_RUN_ID": "outer", "LOCAL_RANK": "1"}])
+def test_the_workers_of_a_launcher_leave_the_line_to_it(nvml_cannot_start, caplog, monkeypatch, worker_env):
+    """This pipeline's launcher said it; under an outer torchrun, local rank 0 says it for the node."""
+    for key, value in worker_env.items():
+        monkeypatch.setenv(key, value)
+    with caplog.at_level(logging.WARNING, logger="pipeline.parallel"):
+        assert parallel.pick_device(Rank(), "auto").type == "cpu"
+    assert caplog.records == []
+
+
+DRIVER_AS_NVML_SEES_IT = "from pipeline.parallel import driver_gpus; print(driver_gpus())"
+
+
+def test_nvml_is_read_as_the_stand_in_driver_answers(tmp_path):
+    """The stand-in libnvidia-ml.so.1 (tests/stand_in_libcuda.c), through pynvml as on a GPU host: a
+    driver with no GPU, one whose NVML cannot start (999, "Unknown Error", a container without its
+    GPUs), and no driver at all."""
+    build_stand_in_driver(tmp_path)
+
+    def driver(**env: str) -> str:
+        done = subprocess.run([sys.executable, "-c", DRIVER_AS_NVML_SEES_IT], cwd=ROOT, capture_output=True, text=True,
+                              env=subprocess_env(**env), timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    assert driver(LD_LIBRARY_PATH=str(tmp_path)) == "(0, '580.00')"
+    assert driver(LD_LIBRARY_PATH=str(tmp_path), STAND_IN_NVML_INIT="999") == "Unknown Error"
+    assert driver(LD_LIBRARY_PATH=str(tmp_path), STAND_IN_GPUS="2") == "(2, '580.00')"
+    if not any(Path(folder, "libnvidia-ml.so.1").exists() for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64")):
+        assert driver() == "None"
+
+
+def test_a_ddp_training_where_nvml_cannot_start_says_so_once_and_trains_on_the_cpu(small_project, tmp_path):
+    build_stand_in_driver(tmp_path)
+    done = train_cli(small_project, "ddp", LD_LIBRARY_PATH=str(tmp_path), STAND_IN_NVML_INIT="999")
+    output = done.stdout + done.stderr
+    assert output.count("NVML cannot start (Unknown Error)") == 1, output[-3000:]
+    assert "ddp: 2 process(es) on cpu" in output
+    assert (small_project / "models/ddp/model.pt").is_file()
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root to mount a tmpfs")
