@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # DVC stages call `mnist-pipeline`, so the venv's bin must come first on PATH.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: install lock run test test-deps ui show plots lint image-check gpu-check clean
+.PHONY: install lock run test test-fast test-fast-coverage test-deps ui show plots lint image-check gpu-check clean
 
 install: $(STAMP)
 
@@ -38,6 +38,14 @@ run: install
 
 test: install test-deps
 	pytest
+
+# The inner loop: the tests marked `fast`, a few minutes at most; `make test` stays the whole suite.
+test-fast: install
+	pytest -m fast -q
+
+# Whether the fast tier runs every module of pipeline/ and stages/, in every process it starts.
+test-fast-coverage: install
+	$(BIN)/python scripts/fast_tier_coverage.py
 
 # Slurm, munge, PostgreSQL and Chromium for the tests that start them (Debian packages; root only).
 test-deps:

@@ -13,6 +13,7 @@ from pipeline.breakdown import step_breakdown, union_length
 from tests.ddp_harness import learnable_data, rank_dir, run_ranks, train_config
 
 
+@pytest.mark.fast
 def test_communication_during_the_backward_is_overlapped_and_the_rest_exposed():
     # data 1, forward 2, backward 6 (from 3 to 9), optimizer 1. Bucket A is handed over at 5 and
     # done at 7 (inside the backward's compute, which ends when the last bucket, B, is handed over
@@ -30,6 +31,7 @@ def test_communication_during_the_backward_is_overlapped_and_the_rest_exposed():
     assert union_length([(0, 2), (1, 3), (5, 6)]) == pytest.approx(4.0)
 
 
+@pytest.mark.fast
 def test_the_ring_all_reduce_follows_thakur_rabenseifner_gropp():
     link = scaling.Link("x", latency_s=1e-5, per_byte_s=2e-9, source="")
     # 2(p-1)·α + (p-1)/p·n·(2β+γ) at p = 4, n = 1 MB
@@ -41,6 +43,7 @@ def test_the_ring_all_reduce_follows_thakur_rabenseifner_gropp():
     assert (1e9 / seconds) * 2 * 7 / 8 == pytest.approx(100e9)
 
 
+@pytest.mark.fast
 def test_commcheck_sweep_gives_back_the_link_it_was_made_with():
     truth = scaling.Link("truth", latency_s=50e-6, per_byte_s=4e-9, source="")
     sweep = [{"primitive": "all_reduce", "bytes": n, "time_us": truth.allreduce_s(n, 2) * 1e6}
@@ -54,6 +57,7 @@ def test_commcheck_sweep_gives_back_the_link_it_was_made_with():
     assert scaling.measured_link({"world_size": 2, "sweep": sweep[4:]}).per_byte_s == pytest.approx(truth.per_byte_s)
 
 
+@pytest.mark.fast
 def test_a_bucket_ready_early_hides_its_all_reduce_behind_the_backward():
     link = scaling.Link("x", latency_s=0.0, per_byte_s=1e-3, source="")  # 2 ranks: 0.5 ms per byte
     early = [{"bytes": 2, "ready_fraction": 0.2}, {"bytes": 2, "ready_fraction": 1.0}]
@@ -91,6 +95,7 @@ def kineto_trace(path: Path, devices: int) -> Path:
     return path
 
 
+@pytest.mark.fast
 def test_each_gpu_s_kernels_get_a_lane_of_their_own(tmp_path):
     """DataParallel over 12 GPUs runs kernels on each from one process: a lane per device, in device
     order (GPU 2 before GPU 10), one legend entry for them all."""
@@ -168,6 +173,7 @@ def test_one_rank_s_slow_profiler_stays_out_of_ddp_s_training_time(tmp_path):
     assert times[0]["epoch_time_s"] - times[0]["steady_time_s"] >= 0.9 * EXPORT_DELAY_S, times[0]
 
 
+@pytest.mark.fast
 def test_profiler_time_comes_off_each_rank_as_the_ranks_waited_for_it():
     from pipeline.loop import without_profiler
 

@@ -110,6 +110,7 @@ def test_disabled_records_that_it_was_skipped(project, tmp_path):
     [("all_reduce", 4, 1.5), ("all_reduce", 2, 1.0), ("all_gather", 4, 0.75), ("reduce_scatter", 8, 0.875),
      ("all_to_all", 4, 0.75), ("broadcast", 4, 1.0), ("reduce", 4, 1.0), ("send_recv", 2, 1.0)],
 )
+@pytest.mark.fast
 def test_bus_bandwidth_factors(primitive, n, factor):
     assert bus_factor(primitive, n) == factor
 
@@ -139,6 +140,7 @@ def sums_in_every_order(contributions: list[torch.Tensor]) -> list[torch.Tensor]
 
 
 @pytest.mark.parametrize("world_size, numel", [(32, 1 << 20), (64, 1 << 20), (1000, 1 << 13)])
+@pytest.mark.fast
 def test_closed_form_sums_are_exact_in_any_reduction_order(world_size, numel):
     # 1 << 20 float32 elements: commcheck's default largest message (4 MiB).
     contributions = [expected_from(q, numel, "cpu", world_size) for q in range(world_size)]
@@ -147,6 +149,7 @@ def test_closed_form_sums_are_exact_in_any_reduction_order(world_size, numel):
         assert torch.equal(got.double(), expected)
 
 
+@pytest.mark.fast
 def test_the_order_check_catches_inexact_values():
     # What the check used before (arange + 1000 * (rank + 1)): at 32 ranks and 4 MiB its float32 sums
     # depend on the order, so the test above would fail on it.
@@ -156,12 +159,14 @@ def test_the_order_check_catches_inexact_values():
     assert any(not torch.equal(sums[0], other) for other in sums[1:])
 
 
+@pytest.mark.fast
 def test_every_rank_sends_something_different():
     n = 64
     firsts = {tuple(expected_from(q, 8, "cpu", n).tolist()) for q in range(n)}
     assert len(firsts) == n
 
 
+@pytest.mark.fast
 def test_bandwidths_by_hand():
     # all_reduce of 1 MB on 4 ranks in 1 ms: algbw 1 GB/s, busbw 1 x 2 x 3/4 = 1.5 GB/s.
     assert bandwidths("all_reduce", 10**6, 1e-3, 4) == pytest.approx((1.0, 1.5))

@@ -7,6 +7,8 @@ from pipeline.config import Config, DataConfig, TrainConfig, config_from_dict, f
 from pipeline.errors import ConfigError
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.fast  # the inner loop's tier: `make test-fast`
+
 
 def test_project_params_load():
     config = load_config(ROOT / "params.yaml")

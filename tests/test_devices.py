@@ -31,6 +31,7 @@ def test_torch_words_an_old_driver_as_the_check_expects():
     assert b"The NVIDIA driver on your system is too old (found version " in library
 
 
+@pytest.mark.fast
 def test_a_driver_too_old_is_an_error_naming_both_versions(monkeypatch):
     """torch's runtime count warns and reports no GPU, while the driver (NVML) shows two; training
     would go to the CPU. The pipeline refuses, naming the driver."""
@@ -98,6 +99,7 @@ def nvml_cannot_start(monkeypatch):
     parallel.nvml_failure = None
 
 
+@pytest.mark.fast
 def test_nvml_that_cannot_start_is_said_in_one_line_and_auto_trains_on_the_cpu(nvml_cannot_start, caplog,
                                                                                monkeypatch):
     with caplog.at_level(logging.WARNING, logger="pipeline.parallel"):
@@ -113,6 +115,7 @@ def test_nvml_that_cannot_start_is_said_in_one_line_and_auto_trains_on_the_cpu(n
 
 @pytest.mark.parametrize("worker_env", [{"TORCHELASTIC_RUN_ID": "mnist-0a1b2c3d", "LOCAL_RANK": "0"},
                                         {"TORCHELASTIC_RUN_ID": "outer", "LOCAL_RANK": "1"}])
+@pytest.mark.fast
 def test_the_workers_of_a_launcher_leave_the_line_to_it(nvml_cannot_start, caplog, monkeypatch, worker_env):
     """This pipeline's launcher said it; under an outer torchrun, local rank 0 says it for the node."""
     for key, value in worker_env.items():
@@ -144,6 +147,7 @@ def test_nvml_is_read_as_the_stand_in_driver_answers(tmp_path):
         assert driver() == "None"
 
 
+@pytest.mark.fast
 def test_a_ddp_training_where_nvml_cannot_start_says_so_once_and_trains_on_the_cpu(small_project, tmp_path):
     build_stand_in_driver(tmp_path)
     done = train_cli(small_project, "ddp", LD_LIBRARY_PATH=str(tmp_path), STAND_IN_NVML_INIT="999")

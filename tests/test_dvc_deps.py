@@ -9,6 +9,8 @@ import yaml
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.fast  # the inner loop's tier: `make test-fast`
+
 PACKAGES = ("pipeline", "stages")
 STAGE_MODULES = {"prepare": "stages.prepare", "commcheck": "stages.commcheck", "train": "stages.train",
                  "evaluate": "stages.evaluate", "compare": "stages.compare"}

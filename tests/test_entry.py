@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import ROOT, subprocess_env
 
+pytestmark = pytest.mark.fast  # the inner loop's tier: `make test-fast`
+
 INSTALLED = "0.1.0"
 
 

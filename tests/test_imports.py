@@ -5,7 +5,11 @@ its stages), but for `python -m pipeline`, an entry point that nothing imports."
 import ast
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.fast  # the inner loop's tier: `make test-fast`
 
 PACKAGES = ("pipeline", "stages")
 ENTRY_POINTS = {"pipeline.__main__"}

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.conftest import (
     ROOT,
     free_port,
@@ -85,6 +87,7 @@ def test_the_library_never_imports_its_front_end():
     assert offenders == []
 
 
+@pytest.mark.fast
 def test_python_m_pipeline_and_python_m_stages_are_the_cli():
     for package in ("pipeline", "stages"):
         result = subprocess.run([sys.executable, "-m", package, "--help"], cwd=ROOT, capture_output=True, text=True,

@@ -9,6 +9,8 @@ import pytest
 
 from pipeline.tracking.runs import until_done
 
+pytestmark = pytest.mark.fast  # the inner loop's tier: `make test-fast`
+
 
 class RecordingRuns:
     """Stands in for tracking's runs: records how they were ended, and can signal itself meanwhile."""

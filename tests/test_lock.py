@@ -8,6 +8,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.fast  # the inner loop's tier: `make test-fast`
+
 
 def pins(path) -> dict[str, str]:
     """name -> version of every `name==version` line (comments and options left out)."""

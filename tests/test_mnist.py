@@ -16,6 +16,7 @@ from tests.conftest import idx_bytes, write_params, write_tiny_mnist
 TRAIN_CLASS_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
 
 
+@pytest.mark.fast
 def test_real_mnist_facts(mnist_dir):
     train, files = mnist.read_split(mnist_dir, "train", verify=True)
     test, _ = mnist.read_split(mnist_dir, "test", verify=True)
@@ -28,6 +29,7 @@ def test_real_mnist_facts(mnist_dir):
     assert [f.md5 for f in files] == [mnist.CANONICAL_MD5[n] for n in mnist.SPLIT_FILES["train"]]
 
 
+@pytest.mark.fast
 def test_raw_and_gzip_read_the_same(tmp_path):
     raw_dir = write_tiny_mnist(tmp_path / "raw")
     gz_dir = tmp_path / "gz"
@@ -47,12 +49,14 @@ def _expect(folder, fragments, verify=False):
         assert fragment in str(info.value)
 
 
+@pytest.mark.fast
 def test_missing_file(tmp_path):
     folder = write_tiny_mnist(tmp_path)
     (folder / "train-labels-idx1-ubyte").unlink()
     _expect(folder, ["missing train-labels-idx1-ubyte", "MNIST_SOURCE"])
 
 
+@pytest.mark.fast
 def test_wrong_magic(tmp_path):
     folder = write_tiny_mnist(tmp_path)
     path = folder / "train-images-idx3-ubyte"
@@ -60,6 +64,7 @@ def test_wrong_magic(tmp_path):
     _expect(folder, [str(path), "wrong magic number 0x00000802", "expected 0x00000803"])
 
 
+@pytest.mark.fast
 def test_truncated(tmp_path):
     folder = write_tiny_mnist(tmp_path)
     path = folder / "train-images-idx3-ubyte"
@@ -67,6 +72,7 @@ def test_truncated(tmp_path):
     _expect(folder, [str(path), "truncated", "(40, 28, 28)"])
 
 
+@pytest.mark.fast
 def test_truncated_gzip_stream(tmp_path):
     folder = write_tiny_mnist(tmp_path)
     path = folder / "train-images-idx3-ubyte"
@@ -76,12 +82,14 @@ def test_truncated_gzip_stream(tmp_path):
     _expect(folder, ["train-images-idx3-ubyte.gz", "not a readable gzip file"])
 
 
+@pytest.mark.fast
 def test_count_mismatch(tmp_path):
     folder = write_tiny_mnist(tmp_path)
     (folder / "train-labels-idx1-ubyte").write_bytes(idx_bytes([1] * 39, (39,)))
     _expect(folder, ["40 images", "39 labels", "must match"])
 
 
+@pytest.mark.fast
 def test_checksum_mismatch(tmp_path, mnist_dir):
     folder = tmp_path / "mnist"
     shutil.copytree(mnist_dir, folder)
@@ -95,6 +103,7 @@ def test_checksum_mismatch(tmp_path, mnist_dir):
     assert len(split.labels) == 60000
 
 
+@pytest.mark.fast
 def test_split_is_seeded_and_disjoint(tmp_path):
     train, _ = mnist.read_split(write_tiny_mnist(tmp_path, n_train=100), "train", verify=False)
     config = DataConfig(seed=1, val_size=10, train_limit=50)
@@ -106,6 +115,7 @@ def test_split_is_seeded_and_disjoint(tmp_path):
     assert not torch.equal(a_val.images, c_val.images)
 
 
+@pytest.mark.fast
 def test_prepare_cli_bad_input_exits_nonzero_and_writes_nothing(tmp_path, monkeypatch):
     folder = write_tiny_mnist(tmp_path / "src")
     (folder / "t10k-images-idx3-ubyte").write_bytes(b"\x00\x00\x08")

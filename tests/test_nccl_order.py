@@ -27,6 +27,7 @@ def queues_of(world: int, calls) -> list[list]:
 
 
 @pytest.mark.parametrize("world", range(2, 9))
+@pytest.mark.fast
 def test_the_commcheck_sweep_drains_under_nccl_ordering(world):
     # The whole sweep, every primitive at three sizes: what commcheck's workers issue, in their order.
     # (No time budget: with one, the ranks agree on where to stop through a real all_reduce.)

@@ -3,7 +3,11 @@
 import json
 import threading
 
+import pytest
+
 from pipeline.tracking.outbox import Outbox, replay
+
+pytestmark = pytest.mark.fast  # the inner loop's tier: `make test-fast`
 
 
 class Flaky:

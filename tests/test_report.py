@@ -3,8 +3,12 @@
 import csv
 import io
 
+import pytest
+
 from pipeline.loop import loss_windows
 from pipeline.report import ModeResult, comparison_rows, console_table, markdown, mode_metrics, modes_csv
+
+pytestmark = pytest.mark.fast  # the inner loop's tier: `make test-fast`
 
 
 def result(mode: str, samples_per_s: float, **train) -> ModeResult:

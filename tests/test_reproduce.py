@@ -15,6 +15,7 @@ from mlflow import MlflowClient
 
 from pipeline import record
 from pipeline import reproduce as remake
+from pipeline.tracking.store import sqlite_uri
 from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, build_stand_in_driver, commit_notes, edit_notes, free_port,
                             make_project, project_env, run, subprocess_env, train_cli, write_tiny_mnist)
 
@@ -60,6 +61,19 @@ def trained(tmp_path_factory, mnist_dir) -> Path:
     for mode in ("single", "dp", "ddp"):
         train_cli(project, mode)
     return project
+
+
+@pytest.mark.fast
+def test_a_run_the_store_does_not_hold_is_refused_before_anything_is_made(tmp_path):
+    """No training needed: the project's own store, made empty, holds no such run; the workspace
+    is left as it was and nothing is checked out."""
+    project = make_project(tmp_path / "proj", SMALL)
+    before = workspace_state(project)
+    proc = reproduce(project, "e" * 32)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"reproduce: run {'e' * 32}: no such run in the tracking store {sqlite_uri(project / 'mlflow.db')} (is "
+        "MLFLOW_TRACKING_URI the store it was logged to?)"], proc.stderr
+    assert workspace_state(project) == before and not list((project / ".dvc" / "tmp").glob("reproduce-*"))
 
 
 @pytest.mark.parametrize("mode", ["single", "dp", "ddp"])

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 from mlflow import MlflowClient
 
@@ -92,6 +93,7 @@ def kept_outbox(project, lines: list[dict], run_ids: tuple[str, ...] = ()):
     return folder
 
 
+@pytest.mark.fast
 def test_send_runs_sends_to_the_current_store_and_says_so_when_the_runs_are_not_there(tmp_path):
     project = make_project(tmp_path / "proj")
     store = f"sqlite:///{tmp_path / 'current.db'}"
@@ -115,6 +117,7 @@ def test_send_runs_sends_to_the_current_store_and_says_so_when_the_runs_are_not_
     assert not (project / "models/single/tracking-outbox").exists()
 
 
+@pytest.mark.fast
 def test_replaying_a_model_never_reopens_its_run(tmp_path, monkeypatch):
     import torch
 
@@ -145,6 +148,7 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.fast
 def test_loading_a_logged_model_never_unpickles_what_is_in_the_store(tmp_path, monkeypatch):
     import mlflow
     import torch

@@ -15,6 +15,8 @@ from pipeline.tracking import helper as tracking_helper
 from pipeline.config import TrackingConfig
 from pipeline.errors import PipelineError
 
+pytestmark = pytest.mark.fast  # the inner loop's tier: `make test-fast`
+
 
 @pytest.fixture
 def store(tmp_path, monkeypatch):

@@ -109,6 +109,7 @@ def warm_env(project: Path, **extra: str) -> dict[str, str]:
     return subprocess_env(**project_env(project, MNIST_PIPELINE_WARM="1", MNIST_PIPELINE_DEBUG="1", **extra))
 
 
+@pytest.mark.fast
 def test_a_dvc_repro_runs_every_stage_but_the_first_in_one_server(tmp_path, mnist_dir, stand_in_driver):
     """On a host with an NVIDIA driver (the stand-in: no device the CUDA runtime can use) too, which
     `import torch` loads: the server never calls into it, each stage's fork does as it needs."""
