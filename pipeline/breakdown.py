@@ -2,11 +2,14 @@
 
 Three instruments, all on every rank:
 - `StepClock` stamps each step at the edges of its phases (data, forward, backward, optimizer):
-  perf_counter on the CPU, where work is synchronous; CUDA events on a GPU, read once an epoch,
-  so nothing syncs per step.
+  perf_counter on the CPU, where work is synchronous, on every step; CUDA events on a GPU, read once
+  an epoch so nothing syncs per step, and recorded only on the steps that need them (the measured
+  window, the first steady step and the epoch's last), so the other steps launch nothing extra.
 - `CommTimer` is DDP's gradient all-reduce as a communication hook, the same arithmetic as DDP's
   built-in one (each bucket scaled by 1/W, then summed), which stamps when each bucket is handed to
-  the backend (its gradients are ready) and when its all-reduce completes, on the same clock.
+  the backend (its gradients are ready) and when its all-reduce completes, on the same clock. It is
+  registered when the measured window opens (DDP's reducer reads its hook afresh each backward), so
+  the steps before run DDP's built-in all-reduce, with no Python on the gradients' path.
 - `Tracer` runs torch.profiler over a few steps after the measured window and keeps its Chrome
   trace (Perfetto opens it): the phases as record_function ranges, the backend's own collective
   events (gloo:all_reduce on its threads, NCCL's kernels on their stream) and DataParallel's
@@ -43,14 +46,15 @@ DP_PARTS = ("scatter", "replicate", "replicas", "gather")  # DataParallel's forw
 
 
 class StepClock:
-    """Stamps at the start of each step and at the end of each phase: 5 a step."""
+    """Stamps at the start of each stamped step and at the end of each of its phases: 5 a step."""
 
     PER_STEP = len(PHASES) + 1
     PHASES = tuple(f"{phase}_time_s" for phase in PHASES)  # the per-epoch totals' names
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.marks: list[Any] = []
+        self.marks: dict[int, list] = {}  # this epoch's stamped steps: step -> its stamps
+        self.step: int | None = None  # the step being stamped; None: this step is not
 
     def stamp(self):
         if self.cuda:
@@ -62,29 +66,38 @@ class StepClock:
     def seconds(self, start, end) -> float:
         return start.elapsed_time(end) / 1000 if self.cuda else end - start
 
+    def start_step(self, step: int, stamped: bool) -> None:
+        self.step = step if stamped else None
+        self.mark()
+
     def mark(self) -> None:
-        self.marks.append(self.stamp())
+        if self.step is not None:
+            self.marks.setdefault(self.step, []).append(self.stamp())
 
     def step_marks(self, step: int) -> list:
-        return self.marks[step * self.PER_STEP:(step + 1) * self.PER_STEP]
+        return self.marks.get(step, [])
 
     def seconds_since_step(self, step: int) -> float | None:
-        """Seconds from the start of step `step` (0-based) of this epoch to its last mark; None when
-        the epoch has no such step. Call before `totals`, which clears the marks."""
-        start = step * self.PER_STEP
-        if start >= len(self.marks) or len(self.marks) % self.PER_STEP:
+        """Seconds from the start of step `step` (0-based) of this epoch to the end of its last
+        stamped step; None when `step` was not stamped (the epoch has no such step). Call before
+        `totals`, which clears the marks."""
+        if step not in self.marks:
             return None
-        return self.seconds(self.marks[start], self.marks[-1])
+        last = self.marks[max(self.marks)]
+        return self.seconds(self.marks[step][0], last[-1]) if len(last) == self.PER_STEP else None
 
     def totals(self) -> dict[str, float]:
-        """Seconds per phase at full precision: a phase of microseconds a step (an optimizer step on
-        a fast GPU) must not round to zero. Round only where a person reads it."""
+        """The epoch's seconds per phase, at full precision: a phase of microseconds a step (an
+        optimizer step on a fast GPU) must not round to zero; round only where a person reads it.
+        Only where every step was stamped (the CPU): a GPU's stamped steps are a sample, whose
+        medians are the breakdown's (step_<phase>_s)."""
+        marks, self.marks = self.marks, {}
+        if self.cuda:
+            return {}
         sums = [0.0] * len(PHASES)
-        for step in range(len(self.marks) // self.PER_STEP):
-            marks = self.step_marks(step)
-            for phase, (start, end) in enumerate(zip(marks, marks[1:])):
+        for stamps in marks.values():
+            for phase, (start, end) in enumerate(zip(stamps, stamps[1:])):
                 sums[phase] += self.seconds(start, end)
-        self.marks.clear()
         return dict(zip(self.PHASES, sums))
 
 
@@ -95,6 +108,7 @@ class CommTimer:
         self.clock, self.world_size = clock, world_size
         self.step: int | None = None
         self.calls: list[list] = []  # [step, bucket index, bytes, handed over, completed]
+        self.attached = False
 
     def hook(self, _state, bucket):  # unannotated: DDP checks annotations, which are strings here
         buffer = bucket.buffer()
@@ -116,7 +130,11 @@ class CommTimer:
         return future.then(completed)
 
     def attach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+        """Between two steps, on every rank alike. DDP registers a hook once and for good; its
+        reducer reads it afresh on each backward, and copies gradients into the buckets unscaled
+        once there is one, which the hook then scales: the same bits as before."""
         ddp.register_comm_hook(None, self.hook)
+        self.attached = True
 
 
 def timed_data_parallel(dp: nn.DataParallel, clock: StepClock, parts: dict[str, list]) -> None:
@@ -172,17 +190,18 @@ def step_breakdown(phases: list[float], comm: list[tuple[float, float]]) -> dict
 
 
 class Probe:
-    """What the loop calls around each step: the clock always; for the measured window, the comm
-    timer and DataParallel's parts; for the traced steps after it, the profiler."""
+    """What the loop calls around each step: the clock on the steps it needs; for the measured
+    window, the comm timer and DataParallel's parts; for the traced steps after it, the profiler."""
 
     def __init__(self, device: torch.device, window: int = 0, trace_steps: int = 0, trace_dir: Path | None = None,
                  warmup: int = 0):
         self.clock = StepClock(device)
         self.window, self.trace_steps, self.trace_dir, self.warmup = window, trace_steps, trace_dir, warmup
         self.comm: CommTimer | None = None
+        self.ddp: nn.parallel.DistributedDataParallel | None = None  # the comm timer's, from its window
         self.dp_parts: dict[str, list] = {}
         self.measure = False  # this epoch's window is measured (the last epoch's)
-        self.first = self.traced = 0
+        self.first = self.traced = self.steps = 0
         self.step = 0
         self.open_range = None
         self.profiler = None
@@ -195,8 +214,7 @@ class Probe:
         if not self.window:
             return
         if isinstance(wrapped, nn.parallel.DistributedDataParallel):
-            self.comm = CommTimer(self.clock, rank_world)
-            self.comm.attach(wrapped)
+            self.comm, self.ddp = CommTimer(self.clock, rank_world), wrapped  # hooked when the window opens
         elif isinstance(wrapped, nn.DataParallel):
             timed_data_parallel(wrapped, self.clock, self.dp_parts)
 
@@ -204,6 +222,7 @@ class Probe:
         """Where this epoch's window and traced steps fall: after the warm-up when the epoch is long
         enough, else as late as they fit (the window first gives way)."""
         self.overhead_s = 0.0
+        self.steps = steps
         self.measure = bool(self.window) and measure
         self.traced = min(self.trace_steps, steps) if self.measure else 0
         self.first = min(self.warmup, max(0, steps - self.window - self.traced))
@@ -224,9 +243,12 @@ class Probe:
             self.overhead_s += time.perf_counter() - started
         window = self.in_window(step)
         if self.comm is not None:
+            if window and not self.comm.attached:
+                self.comm.attach(self.ddp)
             self.comm.step = step if window else None
         self.dp_parts["recording"] = window
-        self.clock.mark()
+        # The steady time runs from the first step after the warm-up to the end of the epoch's last.
+        self.clock.start_step(step, stamped=window or step in (self.warmup, self.steps - 1) or not self.clock.cuda)
         self._range("data")
 
     def phase(self, name: str) -> None:

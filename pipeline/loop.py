@@ -267,10 +267,11 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, history = state["epoch"], state["history"]
     wrapped = wrap_for_mode(model, config, device, run.mode)
-    # The step's phases on every step; its communication, and a trace, on a window of the last epoch.
+    # The step's phases (on every step on the CPU); its communication, and a trace, on a window of
+    # the last epoch.
     probe = Probe(device, window=config.breakdown_steps, trace_steps=config.trace_steps,
                   trace_dir=run.out_dir / TRACE_DIR, warmup=config.throughput_warmup_steps)
-    probe.attach(wrapped, rank.world_size)  # before DDP's first backward, which a comm hook must precede
+    probe.attach(wrapped, rank.world_size)
     if run.mode == "ddp":
         settle_gradient_buckets(wrapped, train_split)
 

@@ -47,6 +47,18 @@ if [ -n "$pip_cert" ]; then
 fi
 
 bah() { buildah --storage-driver vfs --root "$work/storage" --runroot "$work/run" "$@"; }
+# `docker run` of the image. chroot isolation shares the host's network, as `docker run --network
+# host` does, so the container is named as Docker names one there: the host's name, which the
+# host's /etc/hosts (copied in) resolves. Left alone, buildah names it by its id with no /etc/hosts
+# line, which Docker's default network does add (with the container's address): gloo would then
+# warn "Unable to resolve hostname" on every DDP start, where Docker prints nothing.
+crun() { bah run --isolation chroot --hostname "$(hostname)" "$@"; }
+no_gloo_fallback() {  # gloo found this container's address by its name, as it does under Docker
+    if grep -q "Unable to resolve hostname" "$1"; then
+        echo "image-check: gloo could not resolve the container's host name ($1)" >&2
+        exit 1
+    fi
+}
 step() { printf '\n== %s (%ds)\n' "$*" "$SECONDS"; }
 
 # The Debian mirror this machine's apt uses (deb822 or one-line sources), unless
@@ -118,12 +130,12 @@ bah inspect --type image --format '{{range .OCIv1.RootFS.DiffIDs}}{{.}} {{end}}'
 ctr=$(bah from "$image")
 trap 'bah rm "$ctr" >/dev/null 2>&1 || true' EXIT
 step "the image: user trainer is 1000:1000, dumb-init for PID 1, mnist-pipeline --version"
-bah run --isolation chroot --user 1000:1000 "$ctr" -- sh -c \
+crun --user 1000:1000 "$ctr" -- sh -c \
     'test "$(id -un 1000):$(id -gn 1000)" = trainer:trainer && command -v dumb-init && test -w /workspace'
-bah run --isolation chroot --user 1000:1000 "$ctr" -- entrypoint mnist-pipeline --version
+crun --user 1000:1000 "$ctr" -- entrypoint mnist-pipeline --version
 
 step "the image says what it was built from: /etc/mnist-pipeline/image.json"
-bah run --isolation chroot "$ctr" -- cat /etc/mnist-pipeline/image.json | tee "$work/image.json"
+crun "$ctr" -- cat /etc/mnist-pipeline/image.json | tee "$work/image.json"
 "$root/.venv/bin/python" - "$work/image.json" "$base" "$root/requirements.lock" <<'PY'
 import hashlib, json, sys
 facts = json.load(open(sys.argv[1]))
@@ -146,7 +158,7 @@ PY
 
 step "gpu-check: docker run --gpus all --ipc=host -v /path/to/mnist:/mnist:ro -e MNIST_SOURCE=/mnist mnist-pipeline gpu-check"
 # No GPU here: it must start, run its CUDA tests (all skipped) and say what it skipped.
-bah run --isolation chroot --user 1000:1000 -v "$mnist:/mnist:ro" -e MNIST_SOURCE=/mnist "$ctr" -- \
+crun --user 1000:1000 -v "$mnist:/mnist:ro" -e MNIST_SOURCE=/mnist "$ctr" -- \
     entrypoint gpu-check | tee "$work/gpu-check.out"
 grep -q "no CUDA device on this host; nothing proven" "$work/gpu-check.out"
 grep -q "test_ddp_on_every_gpu_agrees_with_single .*skipped" "$work/gpu-check.out"
@@ -154,9 +166,9 @@ grep -q "test_ddp_on_every_gpu_agrees_with_single .*skipped" "$work/gpu-check.ou
 step "self-contained: docker run -v /path/to/mnist:/mnist:ro -e MNIST_SOURCE=/mnist mnist-pipeline"
 small_params params.yaml "$work/small-params.yaml"
 chmod 0644 "$work/small-params.yaml"
-bah run --isolation chroot --user 1000:1000 -v "$work/small-params.yaml:/workspace/params.yaml:ro" \
+crun --user 1000:1000 -v "$work/small-params.yaml:/workspace/params.yaml:ro" \
     -v "$mnist:/mnist:ro" -e MNIST_SOURCE=/mnist "$ctr" -- entrypoint
-bah run --isolation chroot --user 1000:1000 "$ctr" -- test -s /workspace/reports/comparison.md
+crun --user 1000:1000 "$ctr" -- test -s /workspace/reports/comparison.md
 
 step "mounted checkout: docker run --user 1000:1000 -v \"\$PWD\":/workspace -v /path/to/mnist:/mnist:ro -e MNIST_SOURCE=/mnist mnist-pipeline"
 checkout="$work/checkout"
@@ -169,8 +181,9 @@ git -C "$checkout" init -q
 git -C "$checkout" add -A
 git -C "$checkout" -c user.name=check -c user.email=check@localhost commit -qm "image check"
 chown -R 1000:1000 "$checkout"
-mounted=(--isolation chroot --user 1000:1000 -v "$checkout:/workspace")
-bah run "${mounted[@]}" -v "$mnist:/mnist:ro" -e MNIST_SOURCE=/mnist "$ctr" -- entrypoint
+mounted=(--user 1000:1000 -v "$checkout:/workspace")
+crun "${mounted[@]}" -v "$mnist:/mnist:ro" -e MNIST_SOURCE=/mnist "$ctr" -- entrypoint 2>&1 | tee "$work/repro.out"
+no_gloo_fallback "$work/repro.out"  # commcheck's and train@ddp's workers
 for mode in single dp ddp; do
     test -s "$checkout/results/eval/$mode.json"
 done
@@ -178,7 +191,8 @@ test "$(stat -c %u "$checkout/reports/comparison.md")" = 1000
 head -8 "$checkout/reports/comparison.md"
 
 step "one command: docker run --user 1000:1000 -v \"\$PWD\":/workspace mnist-pipeline mnist-pipeline train --mode ddp"
-bah run "${mounted[@]}" "$ctr" -- entrypoint mnist-pipeline train --mode ddp
+crun "${mounted[@]}" "$ctr" -- entrypoint mnist-pipeline train --mode ddp 2>&1 | tee "$work/ddp.out"
+no_gloo_fallback "$work/ddp.out"
 test "$(stat -c %u "$checkout/models/ddp/model.pt")" = 1000
 
 step "MLflow on the host: docker run --network host -e MLFLOW_TRACKING_URI=http://127.0.0.1:PORT ... train --mode single"
@@ -191,7 +205,7 @@ server=$!
 trap 'kill $server 2>/dev/null || true; bah rm "$ctr" >/dev/null 2>&1 || true' EXIT
 for _ in $(seq 120); do curl -fs "http://127.0.0.1:$port/health" >/dev/null && break; sleep 1; done
 # chroot isolation shares the host's network, as --network host does.
-bah run "${mounted[@]}" -e "MLFLOW_TRACKING_URI=http://127.0.0.1:$port" "$ctr" -- \
+crun "${mounted[@]}" -e "MLFLOW_TRACKING_URI=http://127.0.0.1:$port" "$ctr" -- \
     entrypoint mnist-pipeline train --mode single
 "$root/.venv/bin/python" - "$port" "$work/image.json" <<'PY'
 import json, sys

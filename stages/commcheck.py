@@ -16,7 +16,8 @@ from pipeline.model import build_model
 from pipeline.tracking.runs import start_mode_run, until_done
 from pipeline.tracking.store import check_store, check_worker_store, tracking_uri
 from stages.common import echo_detail, params_option, verbose
-from stages.workers import launch_workers, run_facts, submit_to_slurm
+from stages import slurm
+from stages.workers import launch_workers, run_facts
 
 RESULTS_FILE = Path("results/comm.json")
 # What training depends on: the verdict alone, which stays the same run after run on the same
@@ -135,6 +136,6 @@ def commcheck(params_path: str) -> None:
             check_store(tracking_uri())
         command = ["commcheck", "--params", params_path]
         if config.train.launcher == "slurm":  # across the nodes training will use, not on this one
-            submit_to_slurm(config, command, LOG_DIR)
+            slurm.submit(config, command, LOG_DIR, slurm.job_for(config, "commcheck"))
         else:
             launch_workers(config, command)

@@ -19,10 +19,12 @@ from pipeline.precision import float32_means_float32
 from pipeline.prepared import Split, load_split
 from pipeline.tracking.after_training import log_to_mode_run
 from pipeline.tracking.store import check_store, tracking_uri
+from stages import slurm
 from stages.common import model_dir, params_option, read_run_ids
 
 RESULTS_DIR = Path("results/eval")
 CONFUSION_DIR = Path("plots/confusion")
+SLURM_LOG_DIR = Path("logs/evaluate")  # the job's output, with train.launcher: slurm
 # Each training's files outside models/<mode>: a mode dropped from train.modes leaves none of them
 # behind, or `dvc metrics show` and `dvc plots show` would list it next to today's modes. Its model
 # and checkpoint stay in models/<mode> (and its numbers in git and MLflow).
@@ -62,6 +64,11 @@ def evaluate(params_path: str, modes: tuple[str, ...], data_dir: str) -> None:
     trained = {mode: load_trained_model(model_dir(mode) / MODEL_FILE) for mode in modes}
     if config.tracking.enabled:
         check_store(tracking_uri())
+    if config.train.launcher == "slurm" and not slurm.in_job():  # on a node like the ones that trained
+        command = ["evaluate", "--params", params_path, "--data-dir", data_dir]
+        slurm.submit(config, command + [arg for mode in modes for arg in ("--mode", mode)], SLURM_LOG_DIR,
+                     slurm.job_for(config, "evaluate"))
+        return
     test = load_split(Path(data_dir), "test")
     float32_means_float32()  # the test numbers in plain float32, whatever precision trained the model
     results = {mode: evaluate_mode(config, mode, trained[mode], test, Path(data_dir)) for mode in modes}

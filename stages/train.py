@@ -35,7 +35,8 @@ from pipeline.tracking.runs import fail_unfinished, missing_runs, start_mode_run
 from pipeline.tracking.store import check_worker_store, preflight, shown, tracking_uri
 from pipeline.tracking import outbox
 from stages.common import model_dir, params_option, read_run_ids, run_ids_file
-from stages.workers import gpu_request, launch_workers, run_facts, slurm_ready, submit_to_slurm
+from stages import slurm
+from stages.workers import launch_workers, run_facts
 
 log = logging.getLogger(__name__)
 CODE_DIRS = [Path(checkpoint.__file__).parent, Path(__file__).parent]  # the pipeline and stages packages
@@ -298,7 +299,9 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
     check_output_folders(mode)
     if config.tracking.enabled:
         preflight(config.tracking)  # store, schema, host, account, experiment name
-    if config.train.launcher == "local" or mode != "ddp":
+    if config.train.launcher == "slurm":  # every mode trains in a job, on a node like DDP's
+        slurm.check_ready(config, slurm.job_for(config, "train", mode))
+    else:
         parallel.gpus_as_wanted(config.train.device)  # train.device: cuda without a GPU fails here
     parallel.check_every_mode(config.train, mode)
     if mode == "ddp":
@@ -306,9 +309,6 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
         workers, nodes = parallel.ddp_layout(config.train)
         if config.train.launcher == "local" and not parallel.under_torchrun():
             forkserver.check_socket_path()
-        if config.train.launcher == "slurm":
-            slurm_ready()
-            gpu_request(config)
         if config.tracking.enabled:  # a store on one node's disk cannot take ranks from several
             check_worker_store(parallel.Rank(world_size=workers * nodes, local_world_size=workers))
     check_prepared(data_dir, config.train.batch_size)
@@ -342,13 +342,13 @@ def check_prepared(data_dir: Path, batch_size: int) -> None:
 @click.option("--data-dir", default="data/prepared", show_default=True, type=click.Path(file_okay=False))
 @click.option("--resume", is_flag=True, help="Continue from models/<mode>/checkpoint.pt.")
 def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, resume: bool) -> None:
-    """Train one mode. For ddp, starts one worker per device (or submits the Slurm job, with
-    train.launcher: slurm) unless already under torchrun."""
+    """Train one mode. For ddp, starts one worker per device unless already under torchrun; with
+    train.launcher: slurm, every mode trains in a Slurm job."""
     mode = stage_mode() if from_stage else mode
     if mode is None:
         raise click.UsageError("say which mode to train: --mode single, dp or ddp")
     config, params_text = read_config(params_path)  # the text: what the run records, checked at the end
-    if parallel.under_torchrun():  # a worker: the launcher (this command, torchrun or a scheduler) decided
+    if parallel.under_torchrun() or slurm.in_job():  # a worker, or the job: its launcher or submitter decided
         if parallel.rank_from_env().is_main:
             check_output_folders(mode)
         run_worker(config, params_text, mode, Path(data_dir), resume)
@@ -357,8 +357,8 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
     with lockfile.held(model_dir(mode), f"train --mode {mode}"):
         check_can_start(config, mode, Path(data_dir))
         resume = pick_up(config, mode, Path(data_dir), asked=resume)
-        if mode == "ddp":
-            launch_ddp(config, params_path, data_dir, resume)
+        if mode == "ddp" or config.train.launcher == "slurm":
+            launch(config, mode, params_path, data_dir, resume)
         else:
             run_worker(config, params_text, mode, Path(data_dir), resume)
         params_unchanged(Path(params_path), params_text, config)  # else DVC would record what did not train
@@ -405,20 +405,22 @@ def check_output_folders(mode: str) -> None:
         in_the_way(model_dir(mode) / folder)
 
 
-def launch_ddp(config: Config, params_path: str, data_dir: str, resume: bool) -> None:
-    command = (["train", "--mode", "ddp", "--params", params_path, "--data-dir", data_dir]
+def launch(config: Config, mode: str, params_path: str, data_dir: str, resume: bool) -> None:
+    """Train in other processes: DDP's workers here, or a Slurm job (DDP's over train.nodes nodes,
+    single's and dp's on one)."""
+    command = (["train", "--mode", mode, "--params", params_path, "--data-dir", data_dir]
                + (["--resume"] if resume else []))
     try:
         if config.train.launcher == "slurm":
-            submit_to_slurm(config, command, model_dir("ddp") / "logs")
-            if not (model_dir("ddp") / MODEL_FILE).is_file():
+            slurm.submit(config, command, model_dir(mode) / "logs", slurm.job_for(config, "train", mode))
+            if not (model_dir(mode) / MODEL_FILE).is_file():
                 raise PipelineError(
-                    f"the Slurm job ended, but {model_dir('ddp') / MODEL_FILE} is not here: rank 0 wrote it on "
+                    f"the Slurm job ended, but {model_dir(mode) / MODEL_FILE} is not here: the job wrote it on "
                     "its node's disk. Submit from a directory every node shares")
         else:
             launch_workers(config, command)
     except BaseException:
-        # A worker killed outright (SIGKILL, out of memory) could not end its own run: the
+        # A process killed outright (SIGKILL, out of memory) could not end its own run: the
         # launcher ends every run of this training that is still RUNNING.
-        fail_unfinished(config.tracking, read_run_ids("ddp"))
+        fail_unfinished(config.tracking, read_run_ids(mode))
         raise

@@ -69,17 +69,76 @@ def test_a_bucket_ready_early_hides_its_all_reduce_behind_the_backward():
 
 
 def _train(r: int, world: int, out: str, breakdown_steps: int) -> None:
+    from pipeline import breakdown
     from pipeline.loop import Training, train, weight_checksum
     from pipeline.parallel import Rank
 
+    hooked_steps = []  # the step of each call DDP makes to the comm hook
+    hook = breakdown.CommTimer.hook
+
+    def counted(self, state, bucket):
+        hooked_steps.append(self.step)
+        return hook(self, state, bucket)
+
+    breakdown.CommTimer.hook = counted
     config = dataclasses.replace(train_config(60), breakdown_steps=breakdown_steps, trace_steps=2,
                                  throughput_warmup_steps=2)
     folder = rank_dir(Path(out), r)
     model, history = train(Training(config, "ddp", Rank(r, r, world, world), torch.device("cpu"), folder),
                            learnable_data(60 * 12), learnable_data(30, seed=1))
     result = {"checksum": weight_checksum(model), "breakdown": history[-1].get("breakdown"),
-              "trace": sorted(p.name for p in (folder / "traces").glob("*.json"))}
+              "trace": sorted(p.name for p in (folder / "traces").glob("*.json")), "hooked_steps": hooked_steps}
     (folder / f"result-{breakdown_steps}.json").write_text(json.dumps(result))
+
+
+class ModelCudaEvent:
+    """torch.cuda.Event as the clock uses it, on the CPU: record() stamps the moment (a GPU's
+    stream would stamp when it gets there), elapsed_time() is milliseconds from this one to `end`."""
+
+    recorded = 0
+
+    def __init__(self, enable_timing: bool = False):
+        assert enable_timing
+        self.at = None
+
+    def record(self) -> None:
+        import time
+
+        ModelCudaEvent.recorded += 1
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end: "ModelCudaEvent") -> float:
+        assert self.at is not None and end.at is not None, "an event read before it was recorded"
+        return (end.at - self.at) * 1000
+
+
+@pytest.mark.fast
+def test_on_a_gpu_only_the_steps_that_are_read_record_events(monkeypatch):
+    """A CUDA event costs a launch on every step it is recorded: only the measured window's steps,
+    the first steady step and the epoch's last are stamped; the steady time still spans the epoch."""
+    from pipeline.breakdown import Probe
+
+    monkeypatch.setattr(torch.cuda, "Event", ModelCudaEvent)
+    probe = Probe(torch.device("cuda"), window=4, warmup=2)
+
+    def epoch(steps: int, measure: bool) -> int:
+        before = ModelCudaEvent.recorded
+        probe.start_epoch(steps, measure)
+        for step in range(steps):
+            probe.start_step(step)
+            for phase in ("forward", "backward", "optimizer"):
+                probe.phase(phase)
+            probe.end_step()
+        return ModelCudaEvent.recorded - before
+
+    assert epoch(12, measure=False) == 2 * 5  # steps 2 and 11
+    assert probe.results() is None and probe.clock.seconds_since_step(2) > 0 and probe.clock.totals() == {}
+    assert epoch(12, measure=True) == 5 * 5  # steps 2 to 5, and 11
+    assert probe.results()["steps"] == 4
+    since_warmup, since_window_end = probe.clock.seconds_since_step(2), probe.clock.seconds_since_step(5)
+    assert since_warmup > since_window_end > 0
+    assert probe.clock.seconds_since_step(7) is None and probe.clock.totals() == {}
+    assert epoch(2, measure=False) == 5 and probe.clock.seconds_since_step(2) is None  # no steady step
 
 
 def kineto_trace(path: Path, devices: int) -> Path:
@@ -124,6 +183,10 @@ def test_ddp_ranks_measure_their_buckets_and_trace_at_an_odd_world_size(tmp_path
     off, on = results
     assert {r["checksum"] for r in off} == {r["checksum"] for r in on} and len({r["checksum"] for r in on}) == 1
     assert off[0]["breakdown"] is None
+    # The hook (Python on the gradients' path) runs from the window's first step (2, after the
+    # warm-up) to the end, one bucket a step; before it, and with the breakdown off, DDP's own.
+    assert [r["hooked_steps"] for r in off] == [[]] * 3
+    assert [r["hooked_steps"] for r in on] == [[2, 3, 4, 5, 6, 7] + [None] * 4] * 3
     gradient_bytes = sum(p.numel() * 4 for p in build_model("small").parameters())
     for r, result in enumerate(on):
         ranks = result["breakdown"]

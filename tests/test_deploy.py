@@ -81,8 +81,9 @@ def test_the_trainjob_runs_torchrun_on_the_runtime_it_names_with_what_nccl_and_o
     assert "WORKDIR /workspace\n" in (ROOT / "Dockerfile").read_text()  # where the mounts land
 
 
-def test_the_sbatch_script_is_valid_bash():
-    subprocess.run(["bash", "-n", str(ROOT / "deploy/slurm/train.sbatch")], check=True)
+@pytest.mark.parametrize("script", ["train.sbatch", "run.sbatch"])
+def test_the_sbatch_scripts_are_valid_bash(script):
+    subprocess.run(["bash", "-n", str(ROOT / "deploy/slurm" / script)], check=True)
 
 
 # Pod Security Standards, "restricted" profile (kubernetes.io/docs/concepts/security/pod-security-standards):

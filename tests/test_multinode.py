@@ -7,6 +7,7 @@ under a real Slurm cluster (slurmctld + one slurmd per host), submitted by `dvc 
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import stat
@@ -410,6 +411,38 @@ def test_dvc_repro_submits_ddp_to_slurm_and_waits(hosts, slurm, tracking_server,
     assert {c["tags"]["host"] for c in children} == {"node-a", "node-b"}
 
 
+def test_with_slurm_single_dp_and_evaluate_run_in_jobs_too(hosts, slurm, tracking_server, mnist_dir, tmp_path):
+    """train.launcher: slurm sends every stage that uses the device to the cluster, not only DDP, so
+    that the speed-ups compare one kind of node: single and dp train in one-process jobs, and
+    evaluate tests them in a third; the login node runs only `dvc repro` (and prepare, compare)."""
+    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "launcher": "slurm",
+                                                                  "modes": ["single", "dp"], "nodes": 1,
+                                                                  "nproc": 1, "cpus_per_rank": 1}})
+    env = {**slurm, **project_env(project, MLFLOW_TRACKING_URI=tracking_server, MNIST_SOURCE=str(mnist_dir),
+                                  **CREDENTIALS)}
+    proc = hosts[0].run(["dvc", "repro", "evaluate"], cwd=project, env=env, timeout=TWO_NODE_TIMEOUT_S)
+    logs = {name: sorted((project / folder).glob("slurm-*.out"))
+            for name, folder in (("single", "models/single/logs"), ("dp", "models/dp/logs"),
+                                 ("evaluate", "logs/evaluate"))}
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n" + "".join(
+        p.read_text()[-3000:] for found in logs.values() for p in found)
+    assert proc.stdout.count("submitting to Slurm (1 node(s))") == 3, proc.stdout
+    for name, (job_log,) in logs.items():
+        text = job_log.read_text()
+        command = "evaluate" if name == "evaluate" else "train"
+        assert re.search(rf"mnist-pipeline {command} on node-[ab]: GPUs: none asked for, CPUs: 1", text), text[-3000:]
+    for mode in ("single", "dp"):
+        assert f"{mode} epoch 2/2" in logs[mode][0].read_text()  # trained there, not here
+        assert f"{mode}: test accuracy" in logs["evaluate"][0].read_text()
+        assert json.loads((project / f"results/eval/{mode}.json").read_text())["accuracy"] > 0.5
+    # The job's runs are the stage's: each mode's run finished, with the test accuracy the job logged.
+    runs = server_runs(hosts[0], tracking_server)
+    for mode in ("single", "dp"):
+        parent_id = json.loads((project / f"models/{mode}/mlflow_run.json").read_text())["parent"]
+        (parent,) = [r for r in runs if r["id"] == parent_id]
+        assert parent["status"] == "FINISHED" and "test_accuracy" in parent["metrics"], parent
+
+
 def test_an_interrupted_slurm_training_continues_on_the_next_repro(hosts, slurm, tracking_server, uninterrupted,
                                                                    mnist_dir, tmp_path):
     """The job dies after epoch 1 with no restart left in it, so sbatch and the stage fail. The
@@ -459,4 +492,12 @@ def test_a_gpu_training_asks_slurm_for_its_gpus_and_fails_clearly_where_none_is_
     log = job_log.read_text()
     assert proc.returncode != 0 and "Slurm job" in proc.stderr, proc.stderr[-3000:]
     assert "GPUs per node: 1, CPUs per node: 2" in log, log[-3000:]  # CPUs too: train.cpus_per_rank x nproc
+    assert "train.device is cuda, but no GPU is visible" in log, log[-3000:]
+    # single trains on a node like DDP's, with one GPU of its own.
+    proc = hosts[0].run(["mnist-pipeline", "train", "--mode", "single"], cwd=project, env=env,
+                        timeout=TWO_NODE_TIMEOUT_S)
+    (job_log,) = sorted((project / "models/single/logs").glob("slurm-*.out"))
+    log = job_log.read_text()
+    assert proc.returncode != 0 and "Slurm job" in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"mnist-pipeline train on node-[ab]: GPUs: 1, CPUs: 2", log), log[-3000:]
     assert "train.device is cuda, but no GPU is visible" in log, log[-3000:]

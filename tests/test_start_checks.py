@@ -92,14 +92,16 @@ def test_an_experiment_name_mlflow_rejects_is_refused_before_the_disk_changes(pr
                                  "tracking.enabled: false")
 
 
-def test_a_missing_sbatch_is_found_before_the_disk_changes(project):
-    before = plant_previous_training(project, "ddp")
+@pytest.mark.parametrize("mode", ["ddp", "single"])
+def test_a_missing_sbatch_is_found_before_the_disk_changes(project, mode):
+    """With train.launcher: slurm every mode trains in a job (single too, on a node like DDP's)."""
+    before = plant_previous_training(project, mode)
     # Tracking off: a local store would be refused for ranks on several nodes first.
     params = (project / "params.yaml").read_text().replace("launcher: local", "launcher: slurm")
     params = params.replace("enabled: true\n  experiment", "enabled: false\n  experiment")
     (project / "slurm.yaml").write_text(params)
-    result = train_cli(project, "ddp", "--params", "slurm.yaml", check=False, PATH=str(VENV_BIN))  # no sbatch
-    assert_refused_and_untouched(project, "ddp", before, result, "sbatch is not on PATH")
+    result = train_cli(project, mode, "--params", "slurm.yaml", check=False, PATH=str(VENV_BIN))  # no sbatch
+    assert_refused_and_untouched(project, mode, before, result, "sbatch is not on PATH")
 
 
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="slurm-wlm is missing; `make test` installs it")

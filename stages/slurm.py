@@ -1,0 +1,106 @@
+"""With train.launcher: slurm, every stage that uses the device runs as a Slurm job, so that each mode
+and the evaluation run on the same kind of node, and the speed-ups compare like with like: DDP and
+commcheck as one torchrun a node (deploy/slurm/train.sbatch), single, dp and evaluate as one process
+on one node (deploy/slurm/run.sbatch). `sbatch --wait`: the job writes into this directory, which
+the nodes share, so what it makes is here when sbatch returns."""
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from pipeline.config import Config
+from pipeline.errors import PipelineError
+
+DDP_SCRIPT = Path("deploy/slurm/train.sbatch")
+ONE_PROCESS_SCRIPT = Path("deploy/slurm/run.sbatch")
+# Set by run.sbatch for the command it runs: that command is the job's, not one to submit again.
+IN_JOB = "MNIST_PIPELINE_SLURM_JOB"
+SLURM_PING_TIMEOUT_S = 30  # scontrol's own message timeout is 10 s, and it tries a backup controller too
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a job asks Slurm for. `devices`: a node's processes for DDP, the GPUs of the one
+    process otherwise: with train.device: cuda, the GPUs asked for a node (None: train.nproc, unset)."""
+
+    script: Path
+    nodes: int
+    devices: int | None
+
+
+def job_for(config: Config, command: str, mode: str | None = None) -> Job:
+    """DDP's (and commcheck's, which checks the link DDP will use) over train.nodes nodes with
+    train.nproc workers each; DataParallel's over train.nproc GPUs of one node; one device else."""
+    if command == "commcheck" or mode == "ddp":
+        return Job(DDP_SCRIPT, config.train.nodes, config.train.nproc or None)
+    return Job(ONE_PROCESS_SCRIPT, 1, (config.train.nproc or None) if mode == "dp" else 1)
+
+
+def in_job() -> bool:
+    return bool(os.environ.get(IN_JOB))
+
+
+def gpu_request(config: Config, job: Job) -> list[str]:
+    """sbatch's GPU request with train.device: cuda. Without one, a cluster that confines devices
+    with cgroups hides every GPU from the job, which would then train on the node's CPUs. (auto asks
+    for none: the login node cannot see what the compute nodes hold, so say cuda to train on their GPUs.)"""
+    if config.train.device != "cuda":
+        return []
+    if job.devices is None:
+        raise PipelineError("train.device is cuda with train.launcher: slurm, so the job must ask Slurm for GPUs: "
+                            "set train.nproc to the GPUs each node should give it (one DDP worker per GPU; "
+                            "DataParallel's GPUs)")
+    return ["--gpus-per-node", str(job.devices)]
+
+
+def cpu_request(config: Config, job: Job) -> list[str]:
+    """sbatch's CPU request: train.cpus_per_rank for each device of a node, all in the node's one
+    task (torchrun, which starts the workers, or the one process). A GPU request alone gets the
+    site's default CPUs, often one per job or per GPU, on which 8 workers would take turns."""
+    return ["--cpus-per-task", str(config.train.cpus_per_rank * (job.devices or 1))]
+
+
+def check_ready(config: Config, job: Job) -> None:
+    """Everything about the submission that can fail, checked before a stage changes anything:
+    sbatch and the batch script are here, the GPU request can be made, and Slurm's controller answers."""
+    if shutil.which("sbatch") is None:
+        raise PipelineError("train.launcher is slurm, but sbatch is not on PATH: run this on a Slurm login "
+                            "node, or set train.launcher: local")
+    if not job.script.is_file():
+        raise PipelineError(f"{job.script}: missing; run from the project's root directory")
+    gpu_request(config, job)
+    if shutil.which("scontrol") is not None:  # from the same package as sbatch; a site may leave it out
+        try:
+            ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=SLURM_PING_TIMEOUT_S)
+            answer, answered = (ping.stdout + ping.stderr).strip().splitlines()[:1], ping.returncode == 0
+        except subprocess.TimeoutExpired:
+            answer, answered = [f"no answer within {SLURM_PING_TIMEOUT_S} s"], False
+        if not answered:
+            raise PipelineError(
+                f"train.launcher is slurm, but Slurm's controller does not answer (scontrol ping: "
+                f"{answer[0] if answer else 'failed'}); start slurmctld or check SLURM_CONF "
+                f"({os.environ.get('SLURM_CONF', 'unset')}), or set train.launcher: local")
+
+
+def submit(config: Config, command: list[str], log_dir: Path, job: Job) -> None:
+    """Run `mnist-pipeline <command>` as `job` and wait for it; its output goes to log_dir."""
+    check_ready(config, job)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if job.script == DDP_SCRIPT and config.train.nproc:
+        env["NPROC_PER_NODE"] = str(config.train.nproc)
+    output = log_dir / "slurm-%j.out"
+    click.echo(f"{command[0]}: submitting to Slurm ({job.nodes} node(s)), waiting; log: {output}")
+    sbatch = ["sbatch", "--wait", "--parsable", "--nodes", str(job.nodes), "--output", str(output),
+              *gpu_request(config, job), *cpu_request(config, job), str(job.script), *command]
+    done = subprocess.run(sbatch, env=env, stdout=subprocess.PIPE, text=True)
+    job_id = done.stdout.strip().split(";")[0]
+    if done.returncode != 0:
+        where = str(output).replace("%j", job_id) if job_id else str(log_dir)
+        raise PipelineError(f"Slurm job {job_id or '(not submitted)'} failed (sbatch exit code {done.returncode}); "
+                            f"see {where}")
+    click.echo(f"{command[0]}: Slurm job {job_id} finished")
