@@ -43,7 +43,7 @@ MECHANISMS = [
     ("bf16 autocast inside each DataParallel replica's thread", "test_bf16_inside_every_dataparallel_replica"),
     ("bf16 only where the GPU computes it natively", "test_bf16_only_where_native"),
     ("channels_last training, checkpoints that load anywhere", "test_single_on_the_gpu_trains_channels_last_and_saves_portable_files"),
-    ("the CUDA-event phase clock (microsecond phases kept)", "test_phase_clock_reads_cuda_events"),
+    ("the CUDA-event phase clock: events only on the steps read", "test_phase_clock_reads_cuda_events_only_where_read"),
     ("peak memory per device", "test_peak_memory_per_device"),
     ("an empty DDP share under bf16 and channels_last", "test_an_empty_share_trains_nothing_on_the_gpu"),
     ("DDP over NCCL, uneven shares, float32 without TF32", "test_ddp_on_every_gpu_agrees_with_single"),

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.breakdown import StepClock
+from pipeline.breakdown import Probe, StepClock
 from pipeline.loop import peak_memory_mb
 from pipeline.model import build_model
 from pipeline.precision import AutocastForward, autocast_dtype
@@ -69,25 +69,44 @@ def test_bf16_only_where_native():
     assert autocast_dtype(torch.device("cuda", 0), bf16=False) is None
 
 
-def test_phase_clock_reads_cuda_events():
-    clock = StepClock(torch.device("cuda", 0))
+class CountedEvent(torch.cuda.Event):
+    """A real CUDA event that counts its records: each is a launch on the step's path."""
+
+    recorded = 0
+
+    def record(self, stream=None):
+        CountedEvent.recorded += 1
+        return super().record(stream)
+
+
+def test_phase_clock_reads_cuda_events_only_where_read(monkeypatch):
+    """The window's phases from CUDA events, at full precision, within the wall time; events only on
+    the window's steps and the epoch's last (the first steady step is the window's first here)."""
+    monkeypatch.setattr(torch.cuda, "Event", CountedEvent)
+    probe = Probe(torch.device("cuda", 0), window=3, warmup=1)
     a = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
     started = time.perf_counter()
-    for _ in range(3):
-        clock.mark()
+    probe.start_epoch(8, measure=True)
+    for step in range(8):
+        probe.start_step(step)
         b = a @ a
-        clock.mark()
+        probe.phase("forward")
         b = b @ a
-        clock.mark()
+        probe.phase("backward")
         b = b @ a
-        clock.mark()
+        probe.phase("optimizer")
         b.sum()
-        clock.mark()
+        probe.end_step()
     torch.cuda.synchronize()
     wall = time.perf_counter() - started
-    totals = clock.totals()
-    assert all(value > 0 for value in totals.values())
-    assert sum(totals.values()) <= wall * 1.05
+    assert CountedEvent.recorded == 4 * StepClock.PER_STEP  # steps 1 to 3, and 7
+    results = probe.results()
+    medians = results["median_s"]
+    assert results["steps"] == 3 and all(medians[phase] > 0 for phase in ("data", "forward", "backward", "optimizer"))
+    assert 3 * medians["step"] <= wall * 1.05
+    assert 0 < probe.clock.seconds_since_step(1) <= wall * 1.05
+    assert probe.clock.totals() == {}  # a GPU's stamped steps are a sample: no per-epoch totals
 
 
 def test_an_empty_share_trains_nothing_on_the_gpu():
