@@ -1,8 +1,10 @@
 """`make show`: every experiment DVC knows, one row per mode, with what a person compares.
 
 `dvc exp show` lists every param and metric (one column per mode and key, far wider than a
-terminal); this reads its JSON and keeps the params that change a training and the four numbers
-that answer "which mode, and what did it buy". `make show ARGS=-A` passes arguments to it.
+terminal); this reads its JSON and keeps six params that shape a training, every other param whose
+value differs between the rows shown (what a sweep swept: `-S train.weight_decay=...` gets a
+column), and the four numbers that answer "which mode, and what did it buy". `make show ARGS=-A`
+passes arguments to it.
 """
 
 from __future__ import annotations
@@ -40,22 +42,44 @@ def param(params: dict, dotted: str) -> str:
     return "-" if value == {} else str(value)
 
 
+def dotted_keys(params: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key, value in params.items():
+        keys += dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return keys
+
+
+def shown_params(found: list[dict]) -> list[str]:
+    """The six always, then each other param whose value is not the same in every row that has
+    params, in params.yaml's order."""
+    with_params = [entry["params"] for entry in found if entry["params"]]
+    keys = dict.fromkeys(key for params in with_params for key in dotted_keys(params))
+    differing = [key for key in keys if key not in PARAMS
+                 and len({param(params, key) for params in with_params}) > 1]
+    return [*PARAMS, *differing]
+
+
+def label(dotted: str) -> str:
+    return dotted.split(".", 1)[1] if dotted.startswith("train.") else dotted
+
+
 def table(found: list[dict]) -> str:
-    header = ["experiment", *(p.split(".")[1] for p in PARAMS), "mode", *(title for _, title, _ in COLUMNS)]
+    shown = shown_params(found)
+    header = ["experiment", *(label(p) for p in shown), "mode", *(title for _, title, _ in COLUMNS)]
     lines = []
     for entry in found:
         # metrics/<mode>.json only: revisions from before it had other files (metrics/train/...).
         by_mode = {path[len("metrics/"):-len(".json")]: numbers for path, numbers in entry["metrics"].items()
                    if path in {f"metrics/{mode}.json" for mode in MODES}}
         modes = sorted(by_mode.items(), key=lambda item: MODES.index(item[0]))
-        settings = [param(entry["params"], p) for p in PARAMS]
+        settings = [param(entry["params"], p) for p in shown]
         for i, (mode, numbers) in enumerate(modes or [("-", {})]):
             cells = [entry["name"] if i == 0 else "", *(settings if i == 0 else [""] * len(settings)), mode]
             cells += [fmt.format(numbers[key]) if isinstance(numbers.get(key), (int, float)) else "-"
                       for key, _, fmt in COLUMNS]
             lines.append(cells)
     widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
-    text = [" ".join(str(cell).ljust(w) if i <= len(PARAMS) + 1 else str(cell).rjust(w)
+    text = [" ".join(str(cell).ljust(w) if i <= len(shown) + 1 else str(cell).rjust(w)
                      for i, (cell, w) in enumerate(zip(row, widths))) for row in [header, *lines]]
     return "\n".join(line.rstrip() for line in text)
 

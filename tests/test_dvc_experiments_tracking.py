@@ -3,6 +3,7 @@ queue and with --temp run each stage in a temporary copy that DVC deletes afterw
 carries the DVC experiment's name and baseline commit, so `dvc exp show` and MLflow meet."""
 
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -11,7 +12,7 @@ from mlflow import MlflowClient
 
 from pipeline import record
 
-from tests.conftest import SMALL, make_project, project_env, run
+from tests.conftest import ROOT, SMALL, make_project, project_env, run
 
 ONLY_SINGLE = {**SMALL, "train": {**SMALL["train"], "modes": ["single"]}}
 
@@ -51,8 +52,18 @@ def test_queued_and_temp_experiments_land_in_the_projects_store(tmp_path, mnist_
         run(["dvc", "queue", "stop", "--kill"], project, check=False, **env)
     edited.write_text(committed)
     head = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
-    run(["dvc", "exp", "run", "--temp", "-n", "temp-run", "-S", "train.lr=0.01"], project, **env)
+    run(["dvc", "exp", "run", "--temp", "-n", "temp-run", "-S", "train.lr=0.01", "-S", "train.weight_decay=0.0002"],
+        project, **env)
     experiments["temp-run"] = "0.01"
+
+    # `make show`: a row per experiment with what it swept, train.weight_decay included (no fixed column).
+    shown = run([sys.executable, str(ROOT / "scripts/show_experiments.py"), "-A"], project, **env).stdout.splitlines()
+    header = shown[0].split()
+    assert "weight_decay" in header, shown
+    cells = {line.split()[0]: line.split() for line in shown[1:] if line.split()}
+    for name, lr in experiments.items():
+        assert cells[name][header.index("lr")] == lr, shown
+        assert cells[name][header.index("weight_decay")] == ("0.0002" if name == "temp-run" else "0.0"), shown
 
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     ids = [e.experiment_id for e in client.search_experiments()]

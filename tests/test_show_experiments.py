@@ -1,0 +1,36 @@
+"""`make show` (scripts/show_experiments.py) on the shape `dvc exp show --json` gives: the fixed
+params, then whatever differs between the rows. The real `dvc exp show` of a sweep is read in
+tests/test_dvc_experiments_tracking.py."""
+
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.fast
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import show_experiments  # noqa: E402
+
+
+def entry(name: str, train: dict, metrics: dict | None = None) -> dict:
+    return {"name": name, "params": {"train": {"lr": 0.02, "weight_decay": 0.0, "modes": ["single"], **train},
+                                     "data": {"val_size": 5000}},
+            "metrics": {"metrics/single.json": metrics} if metrics else {}}
+
+
+def test_a_swept_param_gets_a_column_and_an_unswept_one_does_not():
+    found = [entry("workspace", {}, {"accuracy": 0.99, "speedup": 1.0}), entry("  wd", {"weight_decay": 0.001}),
+             {"name": "before-params", "params": {}, "metrics": {}}]  # a commit from before params.yaml
+    assert show_experiments.shown_params(found) == [*show_experiments.PARAMS, "train.weight_decay"]
+    lines = show_experiments.table(found).splitlines()
+    header = lines[0].split()
+    assert "weight_decay" in header and "val_size" not in header and "data.val_size" not in header
+    assert lines[2].split()[header.index("weight_decay")] == "0.001"
+    assert lines[1].split()[header.index("test")] == "99.00%"  # "test acc": two words in the header
+    # A param outside train is named with its section.
+    found.append(entry("  val", {}) | {"params": {"train": {}, "data": {"val_size": 1000}}})
+    header = show_experiments.table(found).splitlines()[0].split()
+    params = header[:header.index("mode")]
+    assert "data.val_size" in params and "train" not in params  # a section emptied is no column of its own
