@@ -66,7 +66,8 @@ def read_record(store: RunStore, run_id: str) -> Recorded:
         parent = tags[PARENT_TAG]
         raise Refusal(f"run {run_id} is {name!r}, one rank's run: reproduce the mode's run it belongs to, "
                       f"`mnist-pipeline reproduce {parent}`")
-    if tags.get("mode") not in MODES or name not in MODES:
+    # A mode's run is named after its mode (after its DVC experiment's name under `dvc exp run`).
+    if tags.get("mode") not in MODES or name.rpartition("/")[2] != tags["mode"]:
         raise Refusal(f"run {run_id} is {name!r}, not a training: reproduce takes a mode's run "
                       f"({', '.join(MODES)}), as `mnist-pipeline compare` lists them")
     if run.status != "FINISHED":
@@ -86,7 +87,7 @@ def read_record(store: RunStore, run_id: str) -> Recorded:
         if key not in tags:
             raise Refusal(f"run {run_id} ({name}) has no {key} tag (made before runs recorded it): nothing to "
                           "check a reproduction against")
-    return Recorded(run_id, name, tags, run.params, params_text, patch)
+    return Recorded(run_id, tags["mode"], tags, run.params, params_text, patch)
 
 
 def _artifact_bytes(store: RunStore, run_id: str, path: str, what: str) -> bytes:

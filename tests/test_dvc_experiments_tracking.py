@@ -69,7 +69,8 @@ def test_queued_and_temp_experiments_land_in_the_projects_store(tmp_path, mnist_
     ids = [e.experiment_id for e in client.search_experiments()]
     for name, lr in experiments.items():
         runs = client.search_runs(ids, f"tags.dvc_experiment = '{name}'")
-        parents = [r for r in runs if r.info.run_name == "single"]
+        # Named after the experiment: the runs page sorts and searches a sweep's runs by it.
+        parents = [r for r in runs if r.info.run_name == f"{name}/single"]
         assert len(parents) == 1, (name, [r.info.run_name for r in runs])
         parent = parents[0]
         assert parent.info.status == "FINISHED" and parent.data.params["train.lr"] == lr
@@ -78,7 +79,9 @@ def test_queued_and_temp_experiments_land_in_the_projects_store(tmp_path, mnist_
         if name in queued_from:
             assert parent.data.tags["git_commit"] == queued_from[name]
             assert parent.data.tags["code_sha256"] == code_at(project, queued_from[name]), name
-        assert {r.info.run_name for r in runs} >= {"single", "single/rank-0", "compare"}
+        assert {r.info.run_name for r in runs} >= {f"{name}/single", f"{name}/single/rank-0", f"{name}/compare"}
+        found = client.search_runs(ids, f"attributes.run_name LIKE '{name}/%'")
+        assert {r.info.run_id for r in found} == {r.info.run_id for r in runs}
     assert not list((project / ".dvc").rglob("mlflow.db"))  # nothing went to a temporary copy's store
 
 

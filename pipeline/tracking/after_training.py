@@ -10,7 +10,7 @@ from typing import Iterable
 
 from pipeline.config import TrackingConfig
 from pipeline.tracking import helper as tracking_helper
-from pipeline.tracking.facts import dataset_inputs, dvc_experiment_facts, git_facts
+from pipeline.tracking.facts import dataset_inputs, dvc_experiment_facts, git_facts, run_name
 from pipeline.tracking.runs import metric_batch, numeric
 from pipeline.tracking.store import store_errors, tracking_uri
 
@@ -61,7 +61,7 @@ def log_compare_run(config: TrackingConfig, mode_ids: dict[str, dict], artifacts
     tags.update({"mlflow.note.content": f"Compares the mode runs: {links}", **git_facts(), **dvc_experiment_facts()})
     with store_errors(uri, "logging the compare run"):
         client = MlflowClient(uri)  # in here: it opens the store (a SQL store checks its schema)
-        run_id = client.create_run(experiment_id, run_name="compare", tags=tags).info.run_id
+        run_id = client.create_run(experiment_id, run_name=run_name("compare"), tags=tags).info.run_id
         try:
             for path in artifacts:
                 client.log_artifact(run_id, str(path))

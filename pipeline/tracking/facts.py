@@ -20,6 +20,14 @@ def dvc_experiment_facts() -> dict[str, str]:
     return {key: value for key, value in facts.items() if value}
 
 
+def run_name(name: str) -> str:
+    """A run's name, after its DVC experiment's under `dvc exp run` (`lr-high/single`), so that the
+    runs page sorts, and searches (`attributes.run_name LIKE 'lr-high/%'`), a sweep's runs by
+    experiment; plain in the workspace's own `dvc repro`."""
+    experiment = os.environ.get("DVC_EXP_NAME")
+    return f"{experiment}/{name}" if experiment else name
+
+
 def git_facts() -> dict[str, str]:
     commit = record.git("rev-parse", "HEAD").strip()
     dirty = record.git("status", "--porcelain", "--untracked-files=no").strip()

@@ -16,7 +16,7 @@ from pipeline.config import MODES, TrackingConfig
 from pipeline.errors import PipelineError
 from pipeline.runtime.lifecycle import stop_signals_unwind
 from pipeline.tracking.delivery import outbox_for, stamped
-from pipeline.tracking.facts import dataset_inputs, dvc_experiment_facts, git_facts, log_uncommitted_change
+from pipeline.tracking.facts import dataset_inputs, dvc_experiment_facts, git_facts, log_uncommitted_change, run_name
 from pipeline.tracking.store import open_experiment, reason, run_deleted, shown, store_errors, tracking_uri
 
 if TYPE_CHECKING:  # pipeline.parallel imports torch, which compare and send-runs never need
@@ -216,7 +216,7 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
                 with store_errors(uri, "starting the runs"):
                     experiment_id = open_experiment(client, config.experiment, uri)
                     run_tags = {**tags, **git_facts(), **dvc_experiment_facts(), "host": socket.gethostname()}
-                    parent_id = client.create_run(experiment_id, run_name=mode, tags=run_tags).info.run_id
+                    parent_id = client.create_run(experiment_id, run_name=run_name(mode), tags=run_tags).info.run_id
                     made.append(parent_id)
                     client.log_batch(parent_id, params=_as_params(params))
                     log_uncommitted_change(client, parent_id)
@@ -235,7 +235,7 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
                           "local_rank": str(rank.local_rank), "world_size": str(rank.world_size),
                           "host": socket.gethostname(), **dvc_experiment_facts()}
             with store_errors(uri, "starting this rank's run"):
-                child_id = client.create_run(experiment_id, run_name=f"{mode}/rank-{rank.rank}",
+                child_id = client.create_run(experiment_id, run_name=run_name(f"{mode}/rank-{rank.rank}"),
                                              tags=child_tags).info.run_id
             made.append(child_id)
         children = dict(enumerate(all_gather_objects(child_id, rank)))
