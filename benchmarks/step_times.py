@@ -39,10 +39,11 @@ SLICES = ((1, 1), (2, 10), (11, 50), (51, None), (1, None))
 RESULT = "epochs: "  # the line a worker prints its result on
 
 
-def step_seconds(marks: list[float], per_step: int) -> list[float]:
-    """Each step's time from the clock's marks (`per_step` marks a step, the first at its start)."""
-    starts = marks[::per_step]
-    return [b - a for a, b in zip(starts, starts[1:])] + [marks[-1] - starts[-1]]
+def step_seconds(marks: dict[int, list[float]]) -> list[float]:
+    """Each step's time from the CPU clock's marks (step -> its stamps, the first at its start)."""
+    stamps = [marks[step] for step in sorted(marks)]
+    starts = [step[0] for step in stamps]
+    return [b - a for a, b in zip(starts, starts[1:])] + [stamps[-1][-1] - starts[-1]]
 
 
 def recording_epochs(epochs: list[dict]) -> None:
@@ -58,7 +59,7 @@ def recording_epochs(epochs: list[dict]) -> None:
         before = resource.getrusage(resource.RUSAGE_SELF)
         result = run_epoch(*args, probe=probe, **kwargs)
         after = resource.getrusage(resource.RUSAGE_SELF)
-        epochs.append({"steps": step_seconds(probe.clock.marks, probe.clock.PER_STEP),
+        epochs.append({"steps": step_seconds(probe.clock.marks),
                        "faults": after.ru_minflt + after.ru_majflt - before.ru_minflt - before.ru_majflt,
                        "system_s": after.ru_stime - before.ru_stime})
         return result
