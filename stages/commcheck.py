@@ -135,7 +135,7 @@ def commcheck(params_path: str) -> None:
         if config.tracking.enabled:
             check_store(tracking_uri())
         command = ["commcheck", "--params", params_path]
-        if config.train.launcher == "slurm":  # across the nodes training will use, not on this one
+        if slurm.launcher(config) == "slurm":  # across the nodes training will use, not on this one
             slurm.submit(config, command, LOG_DIR, slurm.job_for(config, "commcheck"))
         else:
             launch_workers(config, command)

@@ -64,7 +64,7 @@ def evaluate(params_path: str, modes: tuple[str, ...], data_dir: str) -> None:
     trained = {mode: load_trained_model(model_dir(mode) / MODEL_FILE) for mode in modes}
     if config.tracking.enabled:
         check_store(tracking_uri())
-    if config.train.launcher == "slurm" and not slurm.in_job():  # on a node like the ones that trained
+    if slurm.launcher(config) == "slurm":  # on a node like the ones that trained
         command = ["evaluate", "--params", params_path, "--data-dir", data_dir]
         slurm.submit(config, command + [arg for mode in modes for arg in ("--mode", mode)], SLURM_LOG_DIR,
                      slurm.job_for(config, "evaluate"))

@@ -5,6 +5,7 @@ on one node (deploy/slurm/run.sbatch). `sbatch --wait`: the job writes into this
 the nodes share, so what it makes is here when sbatch returns."""
 
 import os
+import secrets
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -17,8 +18,12 @@ from pipeline.errors import PipelineError
 
 DDP_SCRIPT = Path("deploy/slurm/train.sbatch")
 ONE_PROCESS_SCRIPT = Path("deploy/slurm/run.sbatch")
-# Set by run.sbatch for the command it runs: that command is the job's, not one to submit again.
+# Set by run.sbatch for the command it runs: it runs here, in the job, not submitted again.
 IN_JOB = "MNIST_PIPELINE_SLURM_JOB"
+# Set by `submit` for the job: the command that submitted it holds models/<mode>'s lock and made
+# every check before the job started (a job submitted by hand makes them itself).
+SUBMITTED = "MNIST_PIPELINE_SUBMITTED"
+CANCEL_TIMEOUT_S = 30
 SLURM_PING_TIMEOUT_S = 30  # scontrol's own message timeout is 10 s, and it tries a backup controller too
 
 
@@ -42,6 +47,16 @@ def job_for(config: Config, command: str, mode: str | None = None) -> Job:
 
 def in_job() -> bool:
     return bool(os.environ.get(IN_JOB))
+
+
+def submitted_job() -> bool:
+    """In a job `submit` made: the command is the submitter's, already checked and locked."""
+    return in_job() and bool(os.environ.get(SUBMITTED))
+
+
+def launcher(config: Config) -> str:
+    """train.launcher, except in a job, which runs its command where it is."""
+    return "local" if in_job() else config.train.launcher
 
 
 def gpu_request(config: Config, job: Job) -> list[str]:
@@ -87,20 +102,45 @@ def check_ready(config: Config, job: Job) -> None:
 
 
 def submit(config: Config, command: list[str], log_dir: Path, job: Job) -> None:
-    """Run `mnist-pipeline <command>` as `job` and wait for it; its output goes to log_dir."""
+    """Run `mnist-pipeline <command>` as `job` and wait for it; its output goes to log_dir. The job
+    never outlives the command: interrupted (Ctrl-C, a stop signal, DVC's), it cancels the job
+    before it lets go of what the job writes to."""
     check_ready(config, job)
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = {**os.environ, SUBMITTED: "1"}
     if job.script == DDP_SCRIPT and config.train.nproc:
         env["NPROC_PER_NODE"] = str(config.train.nproc)
+    # A name of its own: the job can be cancelled by it before sbatch has said its id.
+    name = f"mnist-{command[0]}-{command[2] if command[1:2] == ['--mode'] else 'all'}-{secrets.token_hex(4)}"
     output = log_dir / "slurm-%j.out"
     click.echo(f"{command[0]}: submitting to Slurm ({job.nodes} node(s)), waiting; log: {output}")
-    sbatch = ["sbatch", "--wait", "--parsable", "--nodes", str(job.nodes), "--output", str(output),
+    sbatch = ["sbatch", "--wait", "--parsable", "--job-name", name, "--nodes", str(job.nodes), "--output", str(output),
               *gpu_request(config, job), *cpu_request(config, job), str(job.script), *command]
-    done = subprocess.run(sbatch, env=env, stdout=subprocess.PIPE, text=True)
-    job_id = done.stdout.strip().split(";")[0]
-    if done.returncode != 0:
-        where = str(output).replace("%j", job_id) if job_id else str(log_dir)
-        raise PipelineError(f"Slurm job {job_id or '(not submitted)'} failed (sbatch exit code {done.returncode}); "
-                            f"see {where}")
+    with subprocess.Popen(sbatch, env=env, stdout=subprocess.PIPE, text=True) as sbatch_process:
+        try:
+            job_id = sbatch_process.stdout.readline().strip().split(";")[0]  # said at submission
+            returncode = sbatch_process.wait()
+        except BaseException:
+            cancel(name)
+            raise
+    if returncode != 0:
+        log = Path(str(output).replace("%j", job_id)) if job_id else None
+        raise PipelineError(f"Slurm job {job_id or '(not submitted)'} failed (sbatch exit code {returncode})"
+                            + (f"; its last words: {last_words(log)}; see {log}" if log and log.is_file()
+                               else f"; see {log or log_dir}"))
     click.echo(f"{command[0]}: Slurm job {job_id} finished")
+
+
+def cancel(name: str) -> None:
+    """Cancel the job by its name: the command that waited for it is going, and a job left running
+    would write into models/ under the next training."""
+    try:
+        subprocess.run(["scancel", "--name", name], capture_output=True, timeout=CANCEL_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        click.echo(f"warning: could not cancel Slurm job {name} ({exc}): `scancel --name {name}`", err=True)
+
+
+def last_words(log: Path, lines: int = 2) -> str:
+    """The job log's last lines (the error of a command that failed in it), as one line."""
+    said = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return " | ".join(said[-lines:]) or "(nothing)"

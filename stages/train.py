@@ -299,7 +299,7 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
     check_output_folders(mode)
     if config.tracking.enabled:
         preflight(config.tracking)  # store, schema, host, account, experiment name
-    if config.train.launcher == "slurm":  # every mode trains in a job, on a node like DDP's
+    if slurm.launcher(config) == "slurm":  # every mode trains in a job, on a node like DDP's
         slurm.check_ready(config, slurm.job_for(config, "train", mode))
     else:
         parallel.gpus_as_wanted(config.train.device)  # train.device: cuda without a GPU fails here
@@ -307,7 +307,7 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
     if mode == "ddp":
         # Fail here, before any worker starts, on what would fail in every worker.
         workers, nodes = parallel.ddp_layout(config.train)
-        if config.train.launcher == "local" and not parallel.under_torchrun():
+        if slurm.launcher(config) == "local" and not parallel.under_torchrun():
             forkserver.check_socket_path()
         if config.tracking.enabled:  # a store on one node's disk cannot take ranks from several
             check_worker_store(parallel.Rank(world_size=workers * nodes, local_world_size=workers))
@@ -348,7 +348,7 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
     if mode is None:
         raise click.UsageError("say which mode to train: --mode single, dp or ddp")
     config, params_text = read_config(params_path)  # the text: what the run records, checked at the end
-    if parallel.under_torchrun() or slurm.in_job():  # a worker, or the job: its launcher or submitter decided
+    if parallel.under_torchrun() or slurm.submitted_job():  # a worker, or the job: its launcher or submitter decided
         if parallel.rank_from_env().is_main:
             check_output_folders(mode)
         run_worker(config, params_text, mode, Path(data_dir), resume)
@@ -357,7 +357,7 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
     with lockfile.held(model_dir(mode), f"train --mode {mode}"):
         check_can_start(config, mode, Path(data_dir))
         resume = pick_up(config, mode, Path(data_dir), asked=resume)
-        if mode == "ddp" or config.train.launcher == "slurm":
+        if mode == "ddp" or slurm.launcher(config) == "slurm":
             launch(config, mode, params_path, data_dir, resume)
         else:
             run_worker(config, params_text, mode, Path(data_dir), resume)
@@ -411,12 +411,12 @@ def launch(config: Config, mode: str, params_path: str, data_dir: str, resume: b
     command = (["train", "--mode", mode, "--params", params_path, "--data-dir", data_dir]
                + (["--resume"] if resume else []))
     try:
-        if config.train.launcher == "slurm":
+        if slurm.launcher(config) == "slurm":
             slurm.submit(config, command, model_dir(mode) / "logs", slurm.job_for(config, "train", mode))
             if not (model_dir(mode) / MODEL_FILE).is_file():
                 raise PipelineError(
-                    f"the Slurm job ended, but {model_dir(mode) / MODEL_FILE} is not here: the job wrote it on "
-                    "its node's disk. Submit from a directory every node shares")
+                    f"the Slurm job ended, but {model_dir(mode) / MODEL_FILE} is not here: if the job wrote it, "
+                    "it was on its node's own disk. Submit from a directory every node shares")
         else:
             launch_workers(config, command)
     except BaseException:

@@ -7,8 +7,9 @@ under a real Slurm cluster (slurmctld + one slurmd per host), submitted by `dvc 
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
+import signal
 import shutil
 import stat
 import subprocess
@@ -441,6 +442,40 @@ def test_with_slurm_single_dp_and_evaluate_run_in_jobs_too(hosts, slurm, trackin
         parent_id = json.loads((project / f"models/{mode}/mlflow_run.json").read_text())["parent"]
         (parent,) = [r for r in runs if r["id"] == parent_id]
         assert parent["status"] == "FINISHED" and "test_accuracy" in parent["metrics"], parent
+
+
+def test_a_training_stopped_while_its_job_runs_cancels_the_job(hosts, slurm, mnist_dir, tmp_path):
+    """Ctrl-C to `train --mode single` (train.launcher: slurm) while its job trains: the job is
+    cancelled before the command lets go of models/single, not left writing there under the next
+    training, and the command fails."""
+    project = make_project(tmp_path / "proj", {**SMALL, "tracking": {"enabled": False},
+                                               "train": {**SMALL["train"], "launcher": "slurm", "nodes": 1,
+                                                         "nproc": 1, "cpus_per_rank": 1, "epochs": 60}})
+    env = {**slurm, **project_env(project, MNIST_SOURCE=str(mnist_dir))}
+    assert hosts[0].run(["mnist-pipeline", "prepare"], cwd=project, env=env, timeout=300).returncode == 0
+    proc = hosts[0].popen(["mnist-pipeline", "train", "--mode", "single"], cwd=project, env=env,
+                          log=tmp_path / "train.log")
+
+    def jobs() -> list[str]:
+        out = hosts[0].run(["squeue", "-h", "-o", "%j %T"], cwd=project, env=env, timeout=30).stdout
+        return [line for line in out.splitlines() if line.strip()]
+
+    def training() -> bool:
+        return any("single epoch 2/" in p.read_text() for p in (project / "models/single/logs").glob("slurm-*.out"))
+
+    try:
+        wait_until(training, "the job training", timeout=180, interval=1,
+                   diagnose=lambda: (tmp_path / "train.log").read_text()[-3000:] + "\n".join(jobs()))
+        (job,) = jobs()
+        assert re.fullmatch(r"mnist-train-single-[0-9a-f]{8} RUNNING", job), job
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the command and sbatch alike
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    wait_until(lambda: not jobs(), "the job cancelled", timeout=60, interval=1, diagnose=lambda: "\n".join(jobs()))
+    assert not (project / "models/single/model.pt").exists()
 
 
 def test_an_interrupted_slurm_training_continues_on_the_next_repro(hosts, slurm, tracking_server, uninterrupted,
