@@ -132,7 +132,10 @@ class CommTimer:
     def attach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
         """Between two steps, on every rank alike. DDP registers a hook once and for good; its
         reducer reads it afresh on each backward, and copies gradients into the buckets unscaled
-        once there is one, which the hook then scales: the same bits as before."""
+        once there is one, which the hook then scales: the same bits as before. (torch's docs ask for
+        the hook before the first backward; torch 2.14's reducer (reducer.cpp, mark_variable_ready_dense
+        and run_comm_hook) checks comm_hook_ each time and enforces only "once". The 3-rank test in
+        tests/test_breakdown.py holds the weights bit for bit on gloo; NCCL's path never ran here.)"""
         ddp.register_comm_hook(None, self.hook)
         self.attached = True
 
