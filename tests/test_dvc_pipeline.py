@@ -229,8 +229,10 @@ def test_each_mode_run_holds_the_numbers_compared_under_one_name(repro):
     single = json.loads((project / "models/single/mlflow_run.json").read_text())
     assert client.get_run(single["parent"]).data.metrics["speedup_over_single"] == 1.0
     experiment = client.get_run(single["parent"]).info.experiment_id
-    (compare,) = [run for run in client.search_runs([experiment], "attributes.run_name = 'compare'")
+    # Named `compare`, after its DVC experiment's name under `dvc exp run` (the test above ran one here).
+    (compare,) = [run for run in client.search_runs([experiment], "attributes.run_name LIKE '%compare'")
                   if run.data.tags.get("run_id.single") == single["parent"]]
+    assert compare.info.run_name == "/".join(filter(None, (compare.data.tags.get("dvc_experiment"), "compare")))
     assert compare.data.metrics == {}  # the report and the links, not copies of the numbers
     assert {a.path for a in client.list_artifacts(compare.info.run_id)} >= {"comparison.md"}
 
