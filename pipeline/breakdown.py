@@ -104,8 +104,8 @@ class StepClock:
 class CommTimer:
     """DDP's gradient all-reduce as a comm hook, stamping each bucket while `step` is not None."""
 
-    def __init__(self, clock: StepClock, world_size: int):
-        self.clock, self.world_size = clock, world_size
+    def __init__(self, clock: StepClock, ddp: nn.parallel.DistributedDataParallel, world_size: int):
+        self.clock, self.ddp, self.world_size = clock, ddp, world_size
         self.step: int | None = None
         self.calls: list[list] = []  # [step, bucket index, bytes, handed over, completed]
         self.attached = False
@@ -129,14 +129,14 @@ class CommTimer:
 
         return future.then(completed)
 
-    def attach(self, ddp: nn.parallel.DistributedDataParallel) -> None:
+    def attach(self) -> None:
         """Between two steps, on every rank alike. DDP registers a hook once and for good; its
         reducer reads it afresh on each backward, and copies gradients into the buckets unscaled
         once there is one, which the hook then scales: the same bits as before. (torch's docs ask for
         the hook before the first backward; torch 2.14's reducer (reducer.cpp, mark_variable_ready_dense
         and run_comm_hook) checks comm_hook_ each time and enforces only "once". The 3-rank test in
         tests/test_breakdown.py holds the weights bit for bit on gloo; NCCL's path never ran here.)"""
-        ddp.register_comm_hook(None, self.hook)
+        self.ddp.register_comm_hook(None, self.hook)
         self.attached = True
 
 
@@ -201,7 +201,6 @@ class Probe:
         self.clock = StepClock(device)
         self.window, self.trace_steps, self.trace_dir, self.warmup = window, trace_steps, trace_dir, warmup
         self.comm: CommTimer | None = None
-        self.ddp: nn.parallel.DistributedDataParallel | None = None  # the comm timer's, from its window
         self.dp_parts: dict[str, list] = {}
         self.measure = False  # this epoch's window is measured (the last epoch's)
         self.first = self.traced = self.steps = 0
@@ -217,7 +216,7 @@ class Probe:
         if not self.window:
             return
         if isinstance(wrapped, nn.parallel.DistributedDataParallel):
-            self.comm, self.ddp = CommTimer(self.clock, rank_world), wrapped  # hooked when the window opens
+            self.comm = CommTimer(self.clock, wrapped, rank_world)  # hooked when the window opens
         elif isinstance(wrapped, nn.DataParallel):
             timed_data_parallel(wrapped, self.clock, self.dp_parts)
 
@@ -247,7 +246,7 @@ class Probe:
         window = self.in_window(step)
         if self.comm is not None:
             if window and not self.comm.attached:
-                self.comm.attach(self.ddp)
+                self.comm.attach()
             self.comm.step = step if window else None
         self.dp_parts["recording"] = window
         # The steady time runs from the first step after the warm-up to the end of the epoch's last.

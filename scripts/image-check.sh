@@ -52,7 +52,8 @@ bah() { buildah --storage-driver vfs --root "$work/storage" --runroot "$work/run
 # host's /etc/hosts (copied in) resolves. Left alone, buildah names it by its id with no /etc/hosts
 # line, which Docker's default network does add (with the container's address): gloo would then
 # warn "Unable to resolve hostname" on every DDP start, where Docker prints nothing.
-crun() { bah run --isolation chroot --hostname "$(hostname)" "$@"; }
+host_name=$(hostname)
+crun() { bah run --isolation chroot --hostname "$host_name" "$@"; }
 no_gloo_fallback() {  # gloo found this container's address by its name, as it does under Docker
     if grep -q "Unable to resolve hostname" "$1"; then
         echo "image-check: gloo could not resolve the container's host name ($1)" >&2
