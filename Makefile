@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # DVC stages call `mnist-pipeline`, so the venv's bin must come first on PATH.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: install lock run test test-fast test-fast-coverage test-deps ui show plots lint image-check gpu-check clean
+.PHONY: install lock run scaling test test-fast test-fast-coverage test-deps ui show plots lint image-check gpu-check clean
 
 install: $(STAMP)
 
@@ -35,6 +35,11 @@ lock: install
 
 run: install
 	dvc repro
+
+# DDP at 1 to 2x the cores (or the GPUs) ranks on this host: scaling/report/ and an MLflow run.
+scaling: install
+	dvc repro prepare commcheck
+	mnist-pipeline scaling $(ARGS)
 
 test: install test-deps
 	pytest

@@ -197,13 +197,17 @@ class Probe:
     window, the comm timer and DataParallel's parts; for the traced steps after it, the profiler."""
 
     def __init__(self, device: torch.device, window: int = 0, trace_steps: int = 0, trace_dir: Path | None = None,
-                 warmup: int = 0):
+                 warmup: int = 0, repeats: int = 1):
         self.clock = StepClock(device)
         self.window, self.trace_steps, self.trace_dir, self.warmup = window, trace_steps, trace_dir, warmup
+        self.repeats = repeats
         self.comm: CommTimer | None = None
         self.dp_parts: dict[str, list] = {}
         self.measure = False  # this epoch's window is measured (the last epoch's)
-        self.first = self.traced = self.steps = 0
+        self.first = self.traced = self.steps = self.measured = self.trace_start = 0
+        self.window_steps: list[int] = []  # this epoch's measured steps, in order
+        self.in_windows: set[int] = set()
+        self.windows = 0
         self.step = 0
         self.open_range = None
         self.profiler = None
@@ -221,21 +225,32 @@ class Probe:
             timed_data_parallel(wrapped, self.clock, self.dp_parts)
 
     def start_epoch(self, steps: int, measure: bool) -> None:
-        """Where this epoch's window and traced steps fall: after the warm-up when the epoch is long
-        enough, else as late as they fit (the window first gives way)."""
+        """Where this epoch's windows and traced steps fall: after the warm-up when the epoch is long
+        enough, else as late as they fit (the window first gives way). The `repeats` windows are
+        spread evenly over the steps after the warm-up, as many as fit without overlapping, so that
+        a slow spell anywhere in the epoch shows in the measured steps; the traced steps follow the
+        first window."""
         self.overhead_s = 0.0
         self.steps = steps
         self.measure = bool(self.window) and measure
         self.traced = min(self.trace_steps, steps) if self.measure else 0
         self.first = min(self.warmup, max(0, steps - self.window - self.traced))
         self.measured = min(self.window, steps - self.first - self.traced) if self.measure else 0
+        self.trace_start = self.first + self.measured
+        self.window_steps = list(range(self.first, self.trace_start))
+        room = steps - self.trace_start - self.traced  # the steps after the first window and the trace
+        more = min(self.repeats - 1, room // self.measured) if self.measured else 0
+        for index in range(1, more + 1):  # one window at the end of each of `more` equal slots
+            start = self.trace_start + self.traced + room * index // more - self.measured
+            self.window_steps += range(start, start + self.measured)
+        self.windows = 1 + more if self.measured else 0
+        self.in_windows = set(self.window_steps)
 
     def in_window(self, step: int) -> bool:
-        return self.first <= step < self.first + self.measured
+        return step in self.in_windows
 
     def in_trace(self, step: int) -> bool:
-        start = self.first + self.measured
-        return self.traced > 0 and start <= step < start + self.traced
+        return self.traced > 0 and self.trace_start <= step < self.trace_start + self.traced
 
     def start_step(self, step: int) -> None:
         self.step = step
@@ -282,7 +297,7 @@ class Probe:
         """Each bucket of the window's steps (DDP's layout, after its rebuild): its size and when it
         was handed over, as a median fraction of the way through the backward's compute."""
         buckets: dict[int, dict] = {}
-        for step in range(self.first, self.first + self.measured):
+        for step in self.window_steps:
             marks = self.clock.step_marks(step)
             calls = [c for c in self.comm.calls if c[0] == step]
             if not calls:
@@ -297,33 +312,34 @@ class Probe:
 
     def sync_steps(self) -> dict[str, list[float]]:
         """DDP's steps as the ranks live them: from one step's gradients all-reduced (its last
-        bucket's completion, the moment every rank leaves together) to the next's. `sync_interval_s`
-        is that interval, the step's real length; `pre_sync_compute_s` is the part of it before
-        this rank handed its last bucket over (its optimizer, data, forward and backward), so the
-        slowest rank's at each step plus the communication after it is the step (scaling.predict)."""
+        bucket's completion, the moment every rank leaves together) to the next's.
+        `pre_sync_compute_s` is the part of that interval before this rank handed its last bucket
+        over (its optimizer, data, forward and backward), so the slowest rank's at each step plus
+        the communication after it is the step (scaling.predict)."""
         last: dict[int, tuple] = {}
         for step, _, _, handed, done in self.comm.calls:
             if done is not None and (step not in last or self.clock.seconds(last[step][0], handed) > 0):
                 last[step] = (handed, done)
         steps = sorted(last)
         pairs = [(last[a], last[b]) for a, b in zip(steps, steps[1:]) if b == a + 1]
-        return {"sync_interval_s": [self.clock.seconds(a[1], b[1]) for a, b in pairs],
-                "pre_sync_compute_s": [self.clock.seconds(a[1], b[0]) for a, b in pairs]}
+        return {"pre_sync_compute_s": [self.clock.seconds(a[1], b[0]) for a, b in pairs]}
 
     def results(self) -> dict | None:
         """This epoch's window, per step and as medians (call before clock.totals())."""
         if not self.measured:
             return None
         steps = []
-        for step in range(self.first, self.first + self.measured):
+        for step in self.window_steps:
             marks = self.clock.step_marks(step)
             phases = [self.clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
             comm = [(self.clock.seconds(marks[0], handed), self.clock.seconds(marks[0], done))
                     for at, _, _, handed, done in (self.comm.calls if self.comm else ()) if at == step]
             row = step_breakdown(phases, comm)
             steps.append(row)
-        out: dict[str, Any] = {"first_step": self.first, "steps": len(steps),
-                               "median_s": {key: statistics.median(row[key] for row in steps) for key in steps[0]}}
+        out: dict[str, Any] = {"first_step": self.first, "steps": len(steps), "windows": self.windows,
+                               "median_s": {key: statistics.median(row[key] for row in steps) for key in steps[0]},
+                               # Each measured step's seconds, in order: pipeline.spread's intervals.
+                               "step_s": [row["step"] for row in steps]}
         comm_total = sum(row["comm"] for row in steps)
         out["comm_overlap_fraction"] = (sum(row["comm_overlapped"] for row in steps) / comm_total
                                         if self.comm and comm_total > 0 else None)

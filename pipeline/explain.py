@@ -4,9 +4,10 @@ for it, a projection to more devices, and a timeline of two traced steps per mod
 from __future__ import annotations
 
 import re
+import statistics
 from pathlib import Path
 
-from pipeline import scaling
+from pipeline import scaling, spread
 from pipeline.config import CompareConfig
 from pipeline.plotting import pyplot
 
@@ -42,15 +43,23 @@ def scaling_report(breakdowns: dict[str, dict], config: CompareConfig) -> dict:
             "assumptions": list(scaling.ASSUMPTIONS)}
 
 
+def step_median(breakdown: dict, rank: dict) -> float:
+    """The mode's step time (pipeline.spread's one definition); the slowest rank's median step for
+    results from before the per-step series."""
+    series = spread.step_series(breakdown)
+    return statistics.median(series) if series else rank["median_s"]["step"]
+
+
 def run_figures(breakdown: dict, prediction: dict | None) -> dict[str, float]:
     """The numbers each mode's MLflow run gets, under the same names in every mode."""
     rank = scaling.slowest_rank(breakdown)
     if rank is None:
         return {}
     m = rank["median_s"]
-    figures = {"step_s": m["step"], "step_compute_s": m["compute"], "step_comm_s": m["comm"],
+    step = step_median(breakdown, rank)
+    figures = {"step_s": step, "step_compute_s": m["compute"], "step_comm_s": m["comm"],
                "step_comm_exposed_s": m["comm_exposed"],
-               "comm_exposed_share": m["comm_exposed"] / m["step"] if m["step"] else 0.0}
+               "comm_exposed_share": m["comm_exposed"] / step if step else 0.0}
     if rank.get("comm_overlap_fraction") is not None:
         figures["comm_overlap_fraction"] = rank["comm_overlap_fraction"]
     if prediction:
@@ -72,13 +81,18 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
         return "\n".join(lines + ["No step was measured (train.breakdown_steps: 0).", ""])
     modes = list(measured)
     some = next(iter(measured.values()))
-    lines += [f"The median of {some['steps']} steady-state steps of the last epoch (after "
-              f"{some['first_step']} warm-up steps), on each mode's slowest rank, in milliseconds. "
-              "The phases add up to the step.", "",
+    lines += [f"The median of {some['steps']} steady-state steps of the last epoch ({some.get('windows', 1)} "
+              f"window(s), the first after {some['first_step']} warm-up steps), on each mode's slowest rank, in "
+              "milliseconds; each phase's median, so they add up to about the step. The step is the one "
+              "every view shows: each measured step on the rank slowest at it, the median, with its 95% "
+              "bootstrap interval.", "",
               "| | " + " | ".join(modes) + " |", "|---|" + "---:|" * len(modes)]
     for key, label in PHASE_ROWS:
         lines.append(f"| {label} | " + " | ".join(_ms(measured[m]["median_s"][key]) for m in modes) + " |")
-    lines.append("| **step** | " + " | ".join(f"**{_ms(measured[m]['median_s']['step'])}**" for m in modes) + " |")
+    steps = {m: spread.median_interval(spread.step_series(breakdowns[m])) for m in modes}
+    lines.append("| **step** | " + " | ".join(
+        f"**{_ms(measured[m]['median_s']['step'])}**" if steps[m] is None else
+        f"**{_ms(steps[m].value)}** ({_ms(steps[m].low)}-{_ms(steps[m].high)})" for m in modes) + " |")
     lines.append("| communication, all | " + " | ".join(_ms(measured[m]["median_s"]["comm"]) for m in modes) + " |")
     lines.append("| of it overlapped with the backward | " + " | ".join(
         "n/a" if measured[m].get("comm_overlap_fraction") is None else f"{measured[m]['comm_overlap_fraction']:.0%}"
@@ -111,8 +125,8 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
         error = "n/a" if p["prediction_error"] is None else f"{p['prediction_error']:+.1%}"
         lines.append(f"| {mode} | {p['world_size']} | {_ms(p['measured_step_s'])} | {_ms(p['predicted_step_s'])} | "
                      f"{error} | {_ms(p['predicted_comm_s'])} | {_ms(p['predicted_exposed_s'])} |")
-    lines += ["", "DDP's step is measured from one step's gradient all-reduce ending to the next one's (the moment "
-                  "the ranks leave together). Its prediction: at each step, the compute of the rank that was slowest "
+    lines += ["", "The measured step is the step time above. DDP's prediction: at each step, the compute of the "
+                  "rank that was slowest "
                   "to hand its last bucket over, the median of those, plus the exposed all-reduce the model computes "
                   "from commcheck's measured link at DDP's bucket sizes. A mode on one device has no communication "
                   "to predict: its row checks that the phases add up to the step.",

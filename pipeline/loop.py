@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from pipeline.atomic import save_torch
 from pipeline.breakdown import Probe, timeline
+from pipeline import hostload
 from pipeline.checkpoint import CHECKPOINT_FILE, trajectory
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
@@ -270,7 +271,8 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
     # The step's phases (on every step on the CPU); its communication, and a trace, on a window of
     # the last epoch.
     probe = Probe(device, window=config.breakdown_steps, trace_steps=config.trace_steps,
-                  trace_dir=run.out_dir / TRACE_DIR, warmup=config.throughput_warmup_steps)
+                  trace_dir=run.out_dir / TRACE_DIR, warmup=config.throughput_warmup_steps,
+                  repeats=config.breakdown_repeats)
     probe.attach(wrapped, rank.world_size)
     if run.mode == "ddp":
         settle_gradient_buckets(wrapped, train_split)
@@ -287,6 +289,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             for index in memory_devices:
                 torch.cuda.reset_peak_memory_stats(index)
             torch.cuda.synchronize(device)
+        host = hostload.Sample()  # what else the host ran meanwhile
         started = time.perf_counter()
         first_step = epoch * steps + 1
         probe.start_epoch(steps, measure=epoch == config.epochs - 1)
@@ -295,6 +298,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
             label_smoothing=config.label_smoothing)
         train_wall = time.perf_counter() - started
+        host_record = host.finish()
 
         rank_samples = sum(shares)
         rank_loss = loss_sum.item() / max(1, rank_samples)
@@ -302,7 +306,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         # kernel loading, DDP's bucket rebuild), which on a fast GPU dominate a short epoch.
         steady_wall = probe.clock.seconds_since_step(config.throughput_warmup_steps)
         # The profiler's own start, stop and export ran in the steady steps, unless before them.
-        steady_traced = probe.traced and probe.first + probe.measured >= config.throughput_warmup_steps
+        steady_traced = probe.traced and probe.trace_start >= config.throughput_warmup_steps
         steady_samples = sum(shares[config.throughput_warmup_steps:])
         # Each step's loss sum rides along in the epoch's one all_reduce: the loss curve of the
         # global batches (loss_windows), the same in every mode.
@@ -318,11 +322,12 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             breakdown["timeline"] = timeline(probe.trace_file, rank.rank)
         # One exchange per epoch: every rank's times, its step breakdown, and its weights' checksum
         # to prove they agree.
-        walls, overheads, steady_walls, epoch_times, checksums, breakdowns = zip(*all_gather_objects(
-            (train_wall, probe.overhead_s, steady_wall, epoch_time, weight_checksum(model), breakdown), rank))
+        walls, overheads, steady_walls, epoch_times, checksums, breakdowns, hosts = zip(*all_gather_objects(
+            (train_wall, probe.overhead_s, steady_wall, epoch_time, weight_checksum(model), breakdown, host_record),
+            rank))
         if len(set(checksums)) > 1:
             raise RuntimeError(f"ranks out of sync after epoch {epoch + 1}: weight checksums per rank {checksums}")
-        waited = probe.traced and probe.first + probe.measured + probe.traced < steps
+        waited = probe.traced and probe.trace_start + probe.traced < steps
         train_times, steady_times = without_profiler(walls, overheads, steady_walls, steady_traced, waited)
         train_time = train_times[rank.rank]
         slowest = max(train_times)  # the slowest rank sets the pace of a synchronous step
@@ -339,6 +344,9 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
                                      if None not in steady_times and max(steady_times) > 0 else None),
             "steady_time_s": max(steady_times) if None not in steady_times else None,
             "epoch_time_s": max(epoch_times),
+            "steady_steps": max(0, steps - config.throughput_warmup_steps),
+            # Cores other processes kept busy on the busiest host meanwhile (pipeline.hostload).
+            "host_load": hostload.others(list(hosts), max(walls)),
             # The one-cycle schedule's rate at the epoch's end (its peak is train.lr).
             "lr_at_epoch_end": scheduler.get_last_lr()[0],
             "loss_windows": loss_windows(step_sums, [len(b) for b in global_batches(order, config.batch_size)],

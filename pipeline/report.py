@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import csv
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline import spread
 from pipeline.plotting import pyplot
 
 
@@ -16,6 +17,8 @@ class ModeResult:
     eval: dict  # results/eval/<mode>.json
     curves: list[dict]  # plots/train/<mode>.csv rows, one per epoch
     steps: list[dict]  # plots/steps/<mode>.csv rows: the training loss per window of steps
+    step_times: list[float] = field(default_factory=list)  # the measured steps' seconds (spread.step_series)
+    windows: int = 0  # how many windows of steps they came from
 
     @property
     def devices(self) -> int:
@@ -57,12 +60,26 @@ def steady(train: dict) -> float | None:
 
 def comparison_rows(results: list[ModeResult]) -> list[dict]:
     baseline = next((r for r in results if r.mode == "single"), None)
-    # Speed-ups compare steady states where every mode has one: a fast GPU's short epoch is mostly
-    # warm-up (handles, algorithm choice, kernel loading), which says nothing about the mode.
-    key = "steady_samples_per_s" if all(steady(r.train) for r in results) else "samples_per_s"
+    # Speed-ups compare the measured steps' medians where every mode has them (pipeline.spread: the
+    # same global batch in every mode, so the step time's ratio is the throughput's), with their
+    # intervals. Without them (train.breakdown_steps: 0), throughputs: the steady states where every
+    # mode has one (a fast GPU's short epoch is mostly warm-up, which says nothing about the mode).
+    throughput = "steady_samples_per_s" if all(steady(r.train) for r in results) else "samples_per_s"
+    by_steps = all(r.step_times for r in results)
     rows = []
     for r in results:
-        speedup = r.train[key] / baseline.train[key] if baseline else None
+        step = spread.median_interval(r.step_times)
+        if r is baseline:  # its own steps over themselves: exactly 1
+            speedup = spread.Interval(1.0, 1.0, 1.0)
+        elif baseline and by_steps:
+            speedup = spread.speedup_interval(baseline.step_times, r.step_times)
+        elif baseline:
+            value = r.train[throughput] / baseline.train[throughput]
+            speedup = spread.Interval(value, value, value)
+        else:
+            speedup = None
+        efficiency = speedup.scaled(1 / r.devices) if speedup else None
+        mean_steady = r.train.get("steady_step_s")
         rows.append({
             "mode": r.mode,
             "world_size": r.train["world_size"],
@@ -76,10 +93,18 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
             "samples_per_s": r.train["samples_per_s"],
             "steady_samples_per_s": steady(r.train),
             "warmup_steps": r.train.get("warmup_steps"),
-            "speedup_from": key,
-            "speedup": speedup,
-            "scaling_efficiency": speedup / r.devices if speedup is not None else None,
-            "impossible": impossible(r.mode, speedup, r.speedup_bound, r.train["device"]),
+            "throughput": throughput,
+            "speedup_from": "median_step" if by_steps and baseline else throughput,
+            "step": step,
+            "steps_measured": len(r.step_times),
+            "windows": r.windows,
+            "speedup": speedup.value if speedup else None,
+            "speedup_interval": speedup if by_steps and speedup else None,
+            "scaling_efficiency": efficiency.value if efficiency else None,
+            "efficiency_interval": efficiency if by_steps and efficiency else None,
+            "impossible": impossible(r.mode, speedup.value if speedup else None, r.speedup_bound, r.train["device"]),
+            "disturbed": spread.disturbances(r.mode, r.step_times, step, mean_steady, r.train.get("host_load")),
+            "host_load": r.train.get("host_load"),
             "train_time_s": r.train["train_time_s"],
             "test_accuracy": r.eval["accuracy"],
             "test_loss": r.eval.get("loss"),  # older results lack these
@@ -87,6 +112,13 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
             "val_loss": r.train.get("val_loss"),
         })
     return rows
+
+
+def warnings(row: dict) -> list[str]:
+    """Everything that says a row's timing is not the mode's alone: compare prints, reports and
+    tags each (it warns and does not fail: the models and accuracies stay good, and a rerun on a
+    quiet host re-measures; docs/comparison.md)."""
+    return ([row["impossible"]] if row["impossible"] else []) + row["disturbed"]
 
 
 def impossible(mode: str, speedup: float | None, bound: int | None, device: str) -> str | None:
@@ -112,22 +144,43 @@ def modes_csv(results: list[ModeResult], curve: str, columns: tuple[str, ...]) -
 def mode_metrics(row: dict) -> dict:
     """metrics/<mode>.json: what `dvc metrics show` and `dvc exp show` compare, the test set's
     accuracy and loss first; numbers only (the mode's facts are in results/, its curves in plots/)."""
+    step, speedup, efficiency = row["step"], row["speedup_interval"], row["efficiency_interval"]
+    values = {"accuracy": row["test_accuracy"], "loss": row["test_loss"],
+              # The throughput beside the speed-up: after the warm-up where every mode has one.
+              "samples_per_s": row[row["throughput"]], "speedup": row["speedup"],
+              "scaling_efficiency": row["scaling_efficiency"], "train_time_s": row["train_time_s"],
+              "val_accuracy": row["val_accuracy"], "val_loss": row["val_loss"],
+              # How many things say the timing was disturbed (0: none): sortable in `dvc exp show`.
+              "timing_warnings": len(warnings(row))}
+    if step:
+        values.update(step_ms=step.value * 1000, step_ms_low=step.low * 1000, step_ms_high=step.high * 1000)
+    if speedup:
+        values.update(speedup_low=speedup.low, speedup_high=speedup.high,
+                      scaling_efficiency_low=efficiency.low, scaling_efficiency_high=efficiency.high)
     # DVC orders the columns by name: accuracy and loss (on the test set) lead.
-    keys = ("accuracy", "loss", "samples_per_s", "scaling_efficiency", "speedup", "train_time_s",
-            "val_accuracy", "val_loss")
-    # samples_per_s is the figure the speed-up divides: after the warm-up where every mode has one.
-    values = {**row, "accuracy": row["test_accuracy"], "loss": row["test_loss"],
-              "samples_per_s": row[row["speedup_from"]]}
-    return {key: round(values[key], 6) if isinstance(values[key], float) else values[key]
-            for key in keys if values[key] is not None}
+    return {key: round(value, 6) if isinstance(value, float) else value
+            for key, value in sorted(values.items()) if value is not None}
+
+
+def interval_text(interval: spread.Interval | None, pattern: str, unit: str = "", scale: float = 1.0) -> str:
+    """"0.83x (0.80-0.86)": the value, then its 95% interval where it has one."""
+    if interval is None:
+        return "n/a"
+    value = f"{format(interval.value * scale, pattern)}{unit}"
+    if interval.low == interval.high == interval.value:
+        return value
+    return f"{value} ({format(interval.low * scale, pattern)}-{format(interval.high * scale, pattern)})"
 
 
 def console_table(rows: list[dict]) -> str:
     """The comparison in a terminal's width: what `dvc repro` ends with."""
-    lines = [f"{'mode':<7} {'test accuracy':>13} {'samples/s':>10} {'speed-up':>9} {'training time':>14}"]
+    lines = [f"{'mode':<7} {'test accuracy':>13} {'samples/s':>10} {'step ms (95%)':>20} {'speed-up (95%)':>20} "
+             f"{'training time':>14}"]
     for r in rows:
-        speedup = f"{'n/a':>9}" if r["speedup"] is None else f"{r['speedup']:>8.2f}x"
-        lines.append(f"{r['mode']:<7} {r['test_accuracy']:>13.2%} {r[r['speedup_from']]:>10,.0f} {speedup} "
+        speedup = r["speedup_interval"] or (spread.Interval(r["speedup"], r["speedup"], r["speedup"])
+                                            if r["speedup"] is not None else None)
+        lines.append(f"{r['mode']:<7} {r['test_accuracy']:>13.2%} {r[r['throughput']]:>10,.0f} "
+                     f"{interval_text(r['step'], '.2f', scale=1000):>20} {interval_text(speedup, '.2f', 'x'):>20} "
                      f"{r['train_time_s']:>12.1f} s")
     return "\n".join(lines)
 
@@ -141,24 +194,40 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
         "# Data-parallel modes compared",
         "",
         "| mode | world size (nodes × processes) | batch per rank or GPU | device | epochs | samples/s "
-        "| samples/s after warm-up | speed-up over single | scaling efficiency | training time (s) | test accuracy |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| samples/s after warm-up | step (ms, 95% interval) | speed-up over single | scaling efficiency "
+        "| training time (s) | test accuracy |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         world = f"{row['world_size']} ({row['layout']})" if row["layout"] else str(row["world_size"])
+        speedup = row["speedup_interval"] or (None if row["speedup"] is None else spread.Interval(
+            row["speedup"], row["speedup"], row["speedup"]))
+        efficiency = row["efficiency_interval"] or (None if row["scaling_efficiency"] is None else spread.Interval(
+            row["scaling_efficiency"], row["scaling_efficiency"], row["scaling_efficiency"]))
         lines.append(
             f"| {row['mode']} | {world} | {row['shares']} | {row['device']} | {row['epochs']} | "
             f"{row['samples_per_s']:,.0f} | {_fmt(row['steady_samples_per_s'], ',.0f')} | "
-            f"{_fmt(row['speedup'], '.2f')}x | "
-            f"{_fmt(row['scaling_efficiency'], '.0%')} | {row['train_time_s']:.1f} | {row['test_accuracy']:.2%} |"
+            f"{interval_text(row['step'], '.2f', scale=1000)} | {interval_text(speedup, '.2f', 'x')} | "
+            f"{interval_text(efficiency, '.0f', '%', scale=100)} | {row['train_time_s']:.1f} | "
+            f"{row['test_accuracy']:.2%} |"
         )
+    first = rows[0] if rows else None
+    if first and first["speedup_from"] == "median_step":
+        how = (f"Speed-up is single's median step time over the mode's: every mode trains on the same global "
+               f"batches, so it is the throughput's ratio. The step time is a measured step's wall time on the "
+               f"rank slowest at it, its median over {first['steps_measured']} steps of the last epoch "
+               f"({first['windows']} window(s) of train.breakdown_steps spread over the steps after the "
+               f"warm-up, train.breakdown_repeats); in brackets, 95% bootstrap intervals over those steps, "
+               f"the speed-up's from both modes' steps")
+    else:
+        how = ("Speed-up is samples/s over the single-device baseline"
+               + (f", both after each epoch's first {first['warmup_steps']} steps (the warm-up: library handles, "
+                  "algorithm choice, kernel loading, DDP's bucket rebuild)" if first and first["speedup_from"]
+                  == "steady_samples_per_s" else ", over whole epochs (a mode had no steps after the warm-up)")
+               + ", with no interval: no step was measured (train.breakdown_steps: 0)")
     lines += [
         "",
-        "Speed-up is samples/s over the single-device baseline"
-        + (f", both after each epoch's first {rows[0]['warmup_steps']} steps (the warm-up: library handles, "
-           "algorithm choice, kernel loading, DDP's bucket rebuild)" if rows and rows[0]["speedup_from"]
-           == "steady_samples_per_s" else ", over whole epochs (a mode had no steps after the warm-up)")
-        + "; scaling efficiency is the speed-up "
+        how + "; scaling efficiency is the speed-up "
         "divided by the devices the mode used (DDP: its GPUs, one per rank; DataParallel: its GPUs; "
         "on CPUs the ranks of one machine share its cores, so the ideal is the number of machines). "
         "Every mode trains on the same global batches; DDP deals each one out to its ranks in shares that "
@@ -167,10 +236,22 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
     for row in rows:
         if row["impossible"]:
             lines += ["", f"**Not a measurement of the mode:** {row['impossible']}."]
+        for found in row["disturbed"]:
+            lines += ["", f"**Timing disturbed:** {found}."]
     if any(r.bare_dp for r in results):
         lines += ["", "**DataParallel ran on a CPU-only host**, where it has no GPUs to split the batch "
                       "over: it trained the bare module, so its numbers are the single-device numbers "
                       "again, not a measurement of DataParallel."]
+    lines += ["", "How steady each mode's timing was (the last epoch):", "",
+              "| mode | steps measured (windows) | slow steps (over 1.5x the median) | mean step after warm-up (ms) "
+              "| other processes' cores (of the mode's) | load average |", "|---|---:|---:|---:|---:|---:|"]
+    for row, r in zip(rows, results):
+        slow = (sum(t > spread.SLOW * row["step"].value for t in r.step_times) if row["step"] else None)
+        host = row["host_load"] or {}
+        lines.append(f"| {row['mode']} | {row['steps_measured']} ({row['windows']}) | {_fmt(slow, 'd')} | "
+                     f"{_fmt(r.train.get('steady_step_s') and r.train['steady_step_s'] * 1000, '.2f')} | "
+                     + (f"{host['others_cores']:.2f} (of {host['cores']})" if host else "n/a")
+                     + f" | {_fmt(host.get('loadavg_1m'), '.2f')} |")
     lines += ["", "![throughput](throughput.png)", "", "![loss during training](loss.png)", ""]
     return "\n".join(lines)
 
@@ -178,11 +259,11 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
 def throughput_png(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(6, 4))
-    # The figure the speed-ups compare: after the warm-up where every mode has one.
-    values = [r[r["speedup_from"]] for r in rows]
+    # The throughput beside the speed-ups: after the warm-up where every mode has one.
+    values = [r[r["throughput"]] for r in rows]
     bars = axes.bar([r["mode"] for r in rows], values, color="tab:blue")
     axes.bar_label(bars, labels=[f"{v:,.0f}" for v in values])
-    steady = rows and rows[0]["speedup_from"] == "steady_samples_per_s"
+    steady = rows and rows[0]["throughput"] == "steady_samples_per_s"
     axes.set(ylabel="training samples/s" + (" after the warm-up" if steady else ""), title="Throughput per mode")
     figure.tight_layout()
     figure.savefig(path, dpi=100, format="png")

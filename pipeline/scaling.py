@@ -23,6 +23,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from pipeline import spread
+
 
 @dataclass(frozen=True)
 class Link:
@@ -78,34 +80,34 @@ def slowest_rank(breakdown: dict) -> dict | None:
     return max(ranks, key=lambda r: r["median_s"]["step"]) if ranks else None
 
 
-def synchronous_steps(breakdown: dict) -> tuple[list[float], list[float]] | None:
-    """(each step's pre-sync compute on whichever rank was slowest at it, every rank's measured
-    step intervals) from the ranks' DDP step records (breakdown.Probe.sync_steps): the ranks meet
-    in every all-reduce, so a step goes at its straggler's pace, and the faster ranks' exposed
-    communication is mostly waiting for it. None when the ranks' records do not line up."""
+def slowest_pre_sync(breakdown: dict) -> list[float] | None:
+    """Each step's pre-sync compute on whichever rank was slowest at it, from the ranks' DDP step
+    records (breakdown.Probe.sync_steps): the ranks meet in every all-reduce, so a step goes at its
+    straggler's pace, and the faster ranks' exposed communication is mostly waiting for it. None
+    when the ranks' records do not line up."""
     ranks = breakdown.get("ranks") or []
     pre = [r.get("pre_sync_compute_s") for r in ranks]
     if not pre or None in pre or len({len(p) for p in pre}) != 1 or not pre[0]:
         return None
-    return [max(step) for step in zip(*pre)], [x for r in ranks for x in r["sync_interval_s"]]
+    return [max(step) for step in zip(*pre)]
 
 
 def predict(breakdown: dict, link: Link | None) -> dict | None:
-    """Predicted against measured median step, for the configuration that ran."""
+    """Predicted against measured median step (pipeline.spread's one definition), for the
+    configuration that ran."""
     rank = slowest_rank(breakdown)
     if rank is None:
         return None
     m = rank["median_s"]
-    measured = m["step"]
+    series = spread.step_series(breakdown)
+    measured = statistics.median(series) if series else m["step"]
     if breakdown["mode"] == "ddp" and breakdown["world_size"] > 1:
         if link is None:
             return None
         comm, exposed = ddp_exposed_s(rank.get("buckets", []), m["backward_compute"], link, breakdown["world_size"])
-        steps = synchronous_steps(breakdown)
-        if steps is None:
-            predicted = m["compute"] + exposed
-        else:  # from all-reduce to all-reduce: the slowest rank's compute, then the communication
-            predicted, measured = statistics.median(steps[0]) + exposed, statistics.median(steps[1])
+        pre_sync = slowest_pre_sync(breakdown)
+        # From all-reduce to all-reduce: the slowest rank's compute, then the communication.
+        predicted = (m["compute"] if pre_sync is None else statistics.median(pre_sync)) + exposed
     elif len(rank.get("dp_median_s") or {}) == 4:  # DataParallel over 2 or more GPUs
         parts = rank["dp_median_s"]
         comm, exposed = parts["scatter"] + parts["gather"], 0.0

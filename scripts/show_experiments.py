@@ -3,8 +3,8 @@
 `dvc exp show` lists every param and metric (one column per mode and key, far wider than a
 terminal); this reads its JSON and keeps six params that shape a training, every other param whose
 value differs between the rows shown (what a sweep swept: `-S train.weight_decay=...` gets a
-column), and the four numbers that answer "which mode, and what did it buy". `make show ARGS=-A`
-passes arguments to it.
+column), and the numbers that answer "which mode, and what did it buy" (the speed-up with its 95%
+interval, and how many things compare warned of). `make show ARGS=-A` passes arguments to it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,17 @@ import sys
 MODES = ("single", "dp", "ddp")  # pipeline.config's order; this script runs without the package
 PARAMS = ("train.model", "train.epochs", "train.batch_size", "train.lr", "train.nproc", "train.device")
 COLUMNS = (("accuracy", "test acc", "{:.2%}"), ("samples_per_s", "samples/s", "{:,.0f}"),
-           ("speedup", "speed-up", "{:.2f}x"), ("train_time_s", "train time", "{:.1f} s"))
+           ("speedup", "speed-up (95%)", "{:.2f}x"), ("train_time_s", "train time", "{:.1f} s"),
+           ("timing_warnings", "warnings", "{:.0f}"))  # what compare warned of (reports/comparison.md says)
+
+
+def cell(numbers: dict, key: str, fmt: str) -> str:
+    """A metric as `make show` prints it, with its 95% interval where compare gave one."""
+    value, low, high = (numbers.get(name) for name in (key, f"{key}_low", f"{key}_high"))
+    if not isinstance(value, (int, float)):
+        return "-"
+    interval = isinstance(low, (int, float)) and isinstance(high, (int, float))
+    return fmt.format(value) + (f" ({low:.2f}-{high:.2f})" if interval else "")
 
 
 def rows(shown: list[dict]) -> list[dict]:
@@ -75,8 +85,7 @@ def table(found: list[dict]) -> str:
         settings = [param(entry["params"], p) for p in shown]
         for i, (mode, numbers) in enumerate(modes or [("-", {})]):
             cells = [entry["name"] if i == 0 else "", *(settings if i == 0 else [""] * len(settings)), mode]
-            cells += [fmt.format(numbers[key]) if isinstance(numbers.get(key), (int, float)) else "-"
-                      for key, _, fmt in COLUMNS]
+            cells += [cell(numbers, key, fmt) for key, _, fmt in COLUMNS]
             lines.append(cells)
     widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
     text = [" ".join(str(cell).ljust(w) if i <= len(shown) + 1 else str(cell).rjust(w)

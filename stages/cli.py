@@ -25,7 +25,8 @@ in_warm_fork = False
 # DVC, a fork of the warm server, which imported them all: pipeline/runtime/warm.py).
 COMMANDS = {"prepare": "stages.prepare", "commcheck": "stages.commcheck", "train": "stages.train",
             "evaluate": "stages.evaluate", "compare": "stages.compare", "send-runs": "stages.send_runs",
-            "rendezvous-check": "stages.rendezvous_check", "reproduce": "stages.reproduce"}
+            "rendezvous-check": "stages.rendezvous_check", "reproduce": "stages.reproduce",
+            "scaling": "stages.scaling"}
 
 
 class PipelineGroup(click.Group):

@@ -5,11 +5,12 @@ from pathlib import Path
 
 import click
 
-from pipeline import explain
+from pipeline import explain, spread
 from pipeline.atomic import atomic_dir, check_replaceable, read_json, write_json
 from pipeline.config import MODES, load_config
 from pipeline.errors import PipelineError
-from pipeline.report import ModeResult, comparison_rows, console_table, loss_png, markdown, mode_metrics, modes_csv, read_curves, throughput_png
+from pipeline.report import (ModeResult, comparison_rows, console_table, loss_png, markdown, mode_metrics, modes_csv,
+                             read_curves, throughput_png, warnings)
 from pipeline.tracking.after_training import log_compare_run, log_to_mode_run
 from pipeline.tracking.links import compare_link, ui_link
 from pipeline.tracking.store import check_store, tracking_uri
@@ -25,13 +26,38 @@ def read_metrics(path: Path) -> dict:
     return read_json(path, "run the train and evaluate stages again (dvc repro)")
 
 
-def mode_result(mode: str) -> ModeResult:
+def mode_result(mode: str, breakdown: dict) -> ModeResult:
     curves, steps = Path("plots/train") / f"{mode}.csv", Path("plots/steps") / f"{mode}.csv"
     for path in (curves, steps):
         if not path.is_file():
             raise PipelineError(f"{path}: missing; run the train stage for {mode} first (dvc repro)")
+    windows = max((r.get("windows", 1) for r in breakdown.get("ranks") or []), default=0)
     return ModeResult(mode, read_metrics(Path("results/train") / f"{mode}.json"),
-                      read_metrics(Path("results/eval") / f"{mode}.json"), read_curves(curves), read_curves(steps))
+                      read_metrics(Path("results/eval") / f"{mode}.json"), read_curves(curves), read_curves(steps),
+                      spread.step_series(breakdown), windows)
+
+
+def interval_figures(row: dict) -> dict[str, float]:
+    """The intervals beside the figures each mode's run already has (step_s, speedup_over_single,
+    scaling_efficiency), under the same names in every mode."""
+    figures = {}
+    for name, interval in (("step_s", row["step"]), ("speedup_over_single", row["speedup_interval"]),
+                           ("scaling_efficiency", row["efficiency_interval"])):
+        if interval:
+            figures.update({f"{name}_low": interval.low, f"{name}_high": interval.high})
+    if row["step"]:
+        figures["steps_measured"] = row["steps_measured"]
+    return figures
+
+
+def warning_tags(row: dict) -> dict[str, str] | None:
+    """A run's tags for what makes its timing suspect (MLflow's search: tags.timing_warning != '')."""
+    tags = {}
+    if row["impossible"]:
+        tags["speedup_warning"] = row["impossible"]
+    if row["disturbed"]:
+        tags["timing_warning"] = "; ".join(row["disturbed"])
+    return tags or None
 
 
 @click.command(short_help="Compare the modes: metrics/, reports/, MLflow.")
@@ -43,9 +69,9 @@ def compare(params_path: str, out: str) -> None:
     if config.tracking.enabled:
         check_store(tracking_uri())
     check_replaceable(Path(out), REPORT_FILES)
-    results = [mode_result(mode) for mode in config.train.modes]
-    rows = comparison_rows(results)
     breakdowns = {mode: read_metrics(Path("results/breakdown") / f"{mode}.json") for mode in config.train.modes}
+    results = [mode_result(mode, breakdowns[mode]) for mode in config.train.modes]
+    rows = comparison_rows(results)
     scaling = explain.scaling_report(breakdowns, config.compare)
     with atomic_dir(out, REPORT_FILES) as tmp:
         (tmp / "comparison.md").write_text(markdown(rows, results) + "\n" + explain.markdown(breakdowns, scaling))
@@ -72,15 +98,16 @@ def compare(params_path: str, out: str) -> None:
         summary = {"speedup_over_single": row["speedup"], "scaling_efficiency": row["scaling_efficiency"],
                    "total_train_time_s": row["train_time_s"], "mean_samples_per_s": row["samples_per_s"],
                    "steady_samples_per_s": row["steady_samples_per_s"],
-                   **explain.run_figures(breakdowns[row["mode"]], scaling["predictions"][row["mode"]])}
+                   **explain.run_figures(breakdowns[row["mode"]], scaling["predictions"][row["mode"]]),
+                   **interval_figures(row)}
         log_to_mode_run(config.tracking, mode_ids[row["mode"]],
                         {key: value for key, value in summary.items() if value is not None}, [],
-                        tags={"speedup_warning": row["impossible"]} if row["impossible"] else None)
+                        tags=warning_tags(row))
     log_compare_run(config.tracking, mode_ids, files)
     click.echo(console_table(rows))
     for row in rows:
-        if row["impossible"]:
-            click.echo(f"compare: warning: {row['impossible']}", err=True)
+        for warning in warnings(row):
+            click.echo(f"compare: warning: {warning}", err=True)
     click.echo(f"compare: the full table and its plots in {Path(out) / 'comparison.md'}; "
                f"the numbers DVC compares in {METRICS_DIR}/ (dvc metrics show, make show)")
     tracked = [ids for ids in mode_ids.values() if ids]

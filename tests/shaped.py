@@ -94,7 +94,7 @@ def rank0_dir(dirs: list[Path], path: str) -> Path:
 def measure(hosts: list[Host], dirs: list[Path], mbit: int | None, logs: Path) -> dict:
     """Shape the link, let commcheck measure it, train DDP across it; the breakdown and what the
     scaling model predicted for it."""
-    from pipeline import scaling
+    from pipeline import scaling, spread
 
     for host in hosts:
         shape(host, mbit)
@@ -113,11 +113,11 @@ def measure(hosts: list[Host], dirs: list[Path], mbit: int | None, logs: Path) -
     prediction = scaling.predict(breakdown, link)
     # The step's communication once every rank was ready (a faster rank's wait for the slowest is
     # not communication): the median step less the median compute of each step's slowest rank.
-    ready, intervals = scaling.synchronous_steps(breakdown)
-    step = statistics.median(intervals)
+    ready, steps = scaling.slowest_pre_sync(breakdown), spread.step_series(breakdown)
+    step = statistics.median(steps)
     exposed = step - statistics.median(ready)
     # How far this machine's noise moves that share: the standard errors of the two medians.
-    noise = (median_error(intervals) + median_error(ready)) / step
+    noise = (median_error(steps) + median_error(ready)) / step
     return {"link": label(mbit), "mbit": mbit, "breakdown": breakdown, "share_noise": noise,
             # None with no link, or one whose sweep showed latency alone (no slope: no bandwidth seen).
             "link_busbw_gbps": 2 / link.per_byte_s / 1e9 if link and link.per_byte_s else None,

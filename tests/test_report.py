@@ -54,7 +54,8 @@ def test_speedups_compare_the_steady_state_when_every_mode_has_one():
     rows = comparison_rows(results)
     assert [r["speedup"] for r in rows] == [1.0, 2.5]  # not 1.5: the whole epochs' warm-up left out
     table = markdown(rows, results)
-    assert "| 1,500 | 5,000 | 2.50x |" in table and "after each epoch's first 10 steps" in table
+    assert "| 1,500 | 5,000 | n/a | 2.50x |" in table and "after each epoch's first 10 steps" in table
+    assert "with no interval: no step was measured" in table
     results[1].train["steady_samples_per_s"] = None  # an epoch no longer than the warm-up
     rows = comparison_rows(results)
     assert [r["speedup"] for r in rows] == [1.0, 1.5] and "over whole epochs" in markdown(rows, results)
@@ -70,13 +71,14 @@ def test_the_metrics_dvc_compares_are_numbers_led_by_test_accuracy():
     assert ddp["samples_per_s"] == 1650.0 and ddp["speedup"] == 1.5  # the steady figure the speed-up divides
     assert all(isinstance(v, (int, float)) for v in (*single.values(), *ddp.values()))
     lines = console_table(rows).splitlines()
-    assert len(lines) == 3 and lines[2].split() == ["ddp", "98.00%", "1,650", "1.50x", "10.0", "s"]
+    assert len(lines) == 3 and lines[2].split() == ["ddp", "98.00%", "1,650", "n/a", "1.50x", "10.0", "s"]
+    assert ddp["timing_warnings"] == 0 and "step_ms" not in ddp  # no step measured: no step time
 
 
 def test_without_single_there_is_no_speedup_and_nothing_breaks():
     rows = comparison_rows([result("ddp", 900.0, world_size=2)])
     line = console_table(rows).splitlines()[1]
-    assert "speedup" not in mode_metrics(rows[0]) and line.split()[3] == "n/a" and line.endswith(" s")
+    assert "speedup" not in mode_metrics(rows[0]) and line.split()[4] == "n/a" and line.endswith(" s")
 
 
 def test_every_modes_curve_in_one_table():
@@ -112,3 +114,51 @@ def test_a_speedup_the_hardware_cannot_give_is_flagged_in_the_table_and_its_row(
     assert "8 device(s)" in comparison_rows(gpu)[2]["impossible"]
     # Results from before the cores were recorded: no bound, no claim.
     assert all(r["impossible"] is None for r in comparison_rows([result("single", 100.0), result("ddp", 900.0)]))
+
+
+def stepped(mode: str, steps: list[float], **train) -> ModeResult:
+    return ModeResult(mode, {**result(mode, 1000.0).train, **train}, {"accuracy": 0.98}, [], [], steps, 2)
+
+
+def test_speedups_are_median_step_ratios_with_intervals_the_same_in_every_view():
+    single = stepped("single", [0.020 + 0.0002 * (i % 7) for i in range(40)], cpu_cores=2)
+    ddp = stepped("ddp", [0.012 + 0.0001 * (i % 5) for i in range(40)], world_size=2, nodes=1, procs_per_node=2,
+                  cpu_cores=2)
+    rows = comparison_rows([single, ddp])
+    row = rows[1]
+    medians = sorted(single.step_times)[19:21], sorted(ddp.step_times)[19:21]
+    assert row["speedup"] == pytest.approx(sum(medians[0]) / sum(medians[1]))
+    interval = row["speedup_interval"]
+    assert interval.low < row["speedup"] < interval.high and interval.high - interval.low < 0.2
+    assert row["efficiency_interval"].high == pytest.approx(interval.high / 1)  # one machine: the ideal is 1x
+    text = f"{interval.value:.2f}x ({interval.low:.2f}-{interval.high:.2f})"
+    step = row["step"]
+    step_text = f"{step.value * 1000:.2f} ({step.low * 1000:.2f}-{step.high * 1000:.2f})"
+    assert text in console_table(rows).splitlines()[2] and step_text in console_table(rows).splitlines()[2]
+    table = markdown(rows, [single, ddp])
+    assert f"| {step_text} | {text} |" in table and "median over 40 steps" in table and "2 window(s)" in table
+    metrics = mode_metrics(row)
+    assert (metrics["speedup"], metrics["speedup_low"], metrics["speedup_high"]) == tuple(
+        round(v, 6) for v in (interval.value, interval.low, interval.high))
+    assert metrics["step_ms"] == round(step.value * 1000, 6) and metrics["timing_warnings"] == 0
+    assert list(metrics) == sorted(metrics)  # DVC's order
+
+
+def test_a_disturbed_mode_is_named_with_what_disturbed_it():
+    """Bursts of slow steps, a busy host, an epoch slower than its measured steps: each in the report."""
+    quiet = [0.010 + 0.0001 * (i % 5) for i in range(40)]
+    bursty = quiet[:30] + [0.030] * 10  # a quarter of the steps three times as long
+    single = stepped("single", quiet, cpu_cores=2)
+    ddp = stepped("ddp", bursty, world_size=2, cpu_cores=2, steady_step_s=0.016,
+                  host_load={"others_cores": 1.4, "cores": 2, "loadavg_1m": 3.5})
+    rows = comparison_rows([single, ddp])
+    assert rows[0]["disturbed"] == []
+    found = rows[1]["disturbed"]
+    assert any("10 of ddp's 40 measured steps took over 1.5x its median" in f for f in found)
+    assert any("other processes kept 1.4 of the host's 2 core(s) busy while ddp trained (load average 3.50)" in f
+               for f in found)
+    assert any("averaged 16.00 ms" in f for f in found)
+    table = markdown(rows, [single, ddp])
+    assert table.count("**Timing disturbed:** ") == len(found)
+    assert "| ddp | 40 (2) | 10 | 16.00 | 1.40 (of 2) | 3.50 |" in table
+    assert mode_metrics(rows[1])["timing_warnings"] == len(found)

@@ -34,3 +34,10 @@ def test_a_swept_param_gets_a_column_and_an_unswept_one_does_not():
     header = show_experiments.table(found).splitlines()[0].split()
     params = header[:header.index("mode")]
     assert "data.val_size" in params and "train" not in params  # a section emptied is no column of its own
+
+
+def test_the_speedup_shows_its_interval_and_the_warnings_their_count():
+    found = [entry("workspace", {}, {"accuracy": 0.99, "speedup": 1.7, "speedup_low": 1.61, "speedup_high": 1.8,
+                                     "timing_warnings": 2})]
+    line = show_experiments.table(found).splitlines()[1]
+    assert "1.70x (1.61-1.80)" in line and line.split()[-1] == "2"

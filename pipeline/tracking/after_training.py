@@ -1,6 +1,7 @@
 """What the stages after training add to its runs: evaluate's numbers and files on each mode's
 run, and compare's own run holding the report. Both go through the tracking helper where one is
-running (pipeline.tracking.helper), which makes the same call in its own process."""
+running (pipeline.tracking.helper), which makes the same call in its own process. And `make
+scaling`'s run, which no stage makes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pipeline.config import TrackingConfig
 from pipeline.tracking import helper as tracking_helper
 from pipeline.tracking.facts import dataset_inputs, dvc_experiment_facts, git_facts, run_name
 from pipeline.tracking.runs import metric_batch, numeric
-from pipeline.tracking.store import store_errors, tracking_uri
+from pipeline.tracking.store import open_experiment, store_errors, tracking_uri
 
 
 def log_to_mode_run(config: TrackingConfig, ids: dict, metrics: dict[str, float], artifacts: Iterable[Path],
@@ -63,6 +64,32 @@ def log_compare_run(config: TrackingConfig, mode_ids: dict[str, dict], artifacts
         client = MlflowClient(uri)  # in here: it opens the store (a SQL store checks its schema)
         run_id = client.create_run(experiment_id, run_name=run_name("compare"), tags=tags).info.run_id
         try:
+            for path in artifacts:
+                client.log_artifact(run_id, str(path))
+        except BaseException:
+            client.set_terminated(run_id, "FAILED")
+            raise
+        client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def log_scaling_run(config: TrackingConfig, series: dict[str, list[tuple[float, int]]],
+                    artifacts: Iterable[Path]) -> str | None:
+    """`make scaling`'s run: the curve as metric series whose step is the world size (MLflow's chart
+    of a metric against its step is the curve), the picture and the table."""
+    if not config.enabled:
+        return None
+    from mlflow import MlflowClient
+
+    uri = tracking_uri()
+    with store_errors(uri, "logging the scaling run"):
+        client = MlflowClient(uri)
+        experiment_id = open_experiment(client, config.experiment, uri)
+        run_id = client.create_run(experiment_id, run_name=run_name("scaling"),
+                                   tags={**git_facts(), **dvc_experiment_facts()}).info.run_id
+        try:
+            client.log_batch(run_id, metrics=metric_batch(
+                (name, value, step) for name, points in series.items() for value, step in points))
             for path in artifacts:
                 client.log_artifact(run_id, str(path))
         except BaseException:

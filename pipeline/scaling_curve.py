@@ -1,0 +1,163 @@
+"""DDP's strong-scaling curve on this host: the same global batch at several world sizes, measured
+(median step with its interval, pipeline.spread) beside what the scaling model predicts.
+
+Speed-up at N ranks is the smallest world's median step over N's (the same global batches, so
+the throughput's ratio). The ideal is the hardware the ranks add: one device each on GPUs, up to
+the devices there are; on a CPU the first rank already runs on every core (torch's intra-op
+threads), and more ranks only divide the same cores, so the ideal stays 1x at every N.
+
+The model: the smallest world's compute, divided by the hardware N ranks add (as above), plus
+the all-reduce of DDP's buckets at N ranks on the link commcheck measured (pipeline.scaling's ring
+formula and bucket order). On a CPU with more ranks than cores the ranks time-share the cores; the
+model has no term for that (its compute keeps the total work on the same cores, its all-reduce the
+link measured with commcheck's ranks), so the gap there is what oversubscription costs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline import scaling, spread
+from pipeline.plotting import pyplot
+from pipeline.report import interval_text
+
+
+def capacity(ranks: int, device: str, devices: int) -> int:
+    """How many times the smallest world's hardware N ranks have (see the module's doc)."""
+    return 1 if device == "cpu" else max(1, min(ranks, devices))
+
+
+def predicted_step_s(base: dict, link: scaling.Link | None, ranks: int, device: str, devices: int) -> float | None:
+    """The model's step at `ranks` from the smallest world's breakdown `base`."""
+    rank = scaling.slowest_rank(base)
+    if rank is None:
+        return None
+    m, share = rank["median_s"], capacity(ranks, device, devices) / capacity(base["world_size"], device, devices)
+    compute = m["compute"] / share
+    if ranks == 1 or not rank.get("buckets"):
+        return compute
+    if link is None:
+        return None
+    _, exposed = scaling.ddp_exposed_s(rank["buckets"], m["backward_compute"] / share, link, ranks)
+    return compute + exposed
+
+
+def curve(runs: dict[int, dict], link: scaling.Link | None, cores: int, devices: int) -> list[dict]:
+    """One row per world size from each run's results/breakdown/ddp.json (`runs`: ranks -> it)."""
+    sizes = sorted(runs)
+    base = runs[sizes[0]]
+    device = base["device"]
+    base_steps = spread.step_series(base)
+    base_predicted = predicted_step_s(base, link, sizes[0], device, devices)
+    rows = []
+    for ranks in sizes:
+        steps = spread.step_series(runs[ranks])
+        speedup = spread.speedup_interval(base_steps, steps) if ranks != sizes[0] else spread.Interval(1.0, 1.0, 1.0)
+        ideal = capacity(ranks, device, devices) / capacity(sizes[0], device, devices)
+        predicted = predicted_step_s(base, link, ranks, device, devices)
+        rows.append({
+            "ranks": ranks, "device": device, "steps_measured": len(steps),
+            "step": spread.median_interval(steps), "speedup": speedup, "ideal_speedup": ideal,
+            "efficiency": speedup.scaled(1 / ideal) if speedup else None,
+            "predicted_step_s": predicted,
+            "predicted_speedup": base_predicted / predicted if predicted and base_predicted else None,
+            # More ranks than the cores they share: each time-shares a core (CPU ranks only).
+            "oversubscribed": device == "cpu" and ranks > cores,
+            "warnings": spread.disturbances(f"ddp on {ranks} rank(s)", steps, spread.median_interval(steps), None,
+                                            runs[ranks].get("host_load")),
+        })
+    return rows
+
+
+def as_json(rows: list[dict], cores: int, link: scaling.Link | None) -> dict:
+    def interval(value: spread.Interval | None) -> dict | None:
+        return None if value is None else {"value": value.value, "low": value.low, "high": value.high}
+
+    return {"cores": cores, "link": vars(link) if link else None,
+            "points": [{**row, "step": interval(row["step"]), "speedup": interval(row["speedup"]),
+                        "efficiency": interval(row["efficiency"])} for row in rows]}
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.2f}"
+
+
+def markdown(rows: list[dict], cores: int, link: scaling.Link | None) -> str:
+    device = rows[0]["device"] if rows else "cpu"
+    lines = ["# DDP's scaling curve on this host", "",
+             f"The same global batch on 1 to {rows[-1]['ranks']} DDP ranks ({device}, {cores} core(s)), one training "
+             "each (`make scaling`); medians of the measured steps with their 95% bootstrap intervals.", "",
+             "| ranks | steps measured | step (ms) | speed-up | ideal | scaling efficiency | predicted step (ms) "
+             "| predicted speed-up | cores |", "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        step, speedup, efficiency = row["step"], row["speedup"], row["efficiency"]
+        lines.append(
+            f"| {row['ranks']} | {row['steps_measured']} | {interval_text(step, '.2f', scale=1000)} | "
+            f"{interval_text(speedup, '.2f', 'x')} | {row['ideal_speedup']:g}x | "
+            f"{interval_text(efficiency, '.0f', '%', scale=100)} | {_ms(row['predicted_step_s'])} | "
+            + ("n/a" if row["predicted_speedup"] is None else f"{row['predicted_speedup']:.2f}x")
+            + f" | {'oversubscribed: ' if row['oversubscribed'] else ''}"
+            f"{row['ranks']} rank(s) on {cores} |")
+    lines += ["", "![speed-up and efficiency against ranks](curve.png)", "",
+              "Speed-up is the smallest world's median step over this one's (every world trains on the same "
+              "global batches). The ideal is the hardware the ranks add: a device each on GPUs; on a CPU none, "
+              "since one rank already runs on every core, so the ideal stays 1x and the efficiency is the "
+              "speed-up.",
+              "",
+              "The model: the smallest world's compute, divided by the hardware the ranks add, plus DDP's "
+              "buckets all-reduced at N ranks on "
+              + (f"the link commcheck measured ({link.source})" if link else "no link (commcheck did not measure one: "
+                 "no prediction past one rank)")
+              + ". Ranks beyond the cores time-share them: the model has no term for that (its compute keeps "
+                "the total work on the same cores, its all-reduce the link as measured with fewer ranks), so "
+                "the gap between the measured and predicted points there is what oversubscription costs."]
+    for row in rows:
+        for found in row["warnings"]:
+            lines += ["", f"**Timing disturbed:** {found}."]
+    return "\n".join(lines) + "\n"
+
+
+def png(rows: list[dict], path: Path, cores: int) -> None:
+    """Speed-up and efficiency against ranks: measured with their intervals, the model's line, the
+    ideal, and the ranks past the cores shaded."""
+    plt = pyplot()
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    ranks = [row["ranks"] for row in rows]
+    for axes, key, label in ((left, "speedup", "speed-up over the smallest world"),
+                             (right, "efficiency", "scaling efficiency")):
+        values = [row[key] for row in rows]
+        axes.errorbar(ranks, [v.value for v in values],
+                      yerr=[[v.value - v.low for v in values], [v.high - v.value for v in values]],
+                      fmt="o-", capsize=4, color="tab:blue", label="measured (95% interval)")
+        ideal = [row["ideal_speedup"] if key == "speedup" else 1.0 for row in rows]
+        axes.plot(ranks, ideal, "--", color="tab:gray", label="ideal (the hardware the ranks add)")
+        predicted = [(row["ranks"], row["predicted_speedup"] if key == "speedup"
+                      else row["predicted_speedup"] / row["ideal_speedup"])
+                     for row in rows if row["predicted_speedup"] is not None]
+        if predicted:
+            axes.plot(*zip(*predicted), "s:", color="tab:orange", label="scaling model")
+        if any(row["oversubscribed"] for row in rows):
+            axes.axvspan(cores + 0.5, max(ranks) + 0.5, color="tab:red", alpha=0.08,
+                         label=f"more ranks than the {cores} cores")
+        axes.set(xlabel="DDP ranks", ylabel=label, xticks=ranks)
+        axes.set_ylim(bottom=0)
+    left.legend(fontsize="small")
+    figure.suptitle("DDP on this host: the same global batch over more ranks")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100, format="png")
+    plt.close(figure)
+
+
+def summary(rows: list[dict]) -> dict[str, list[tuple[float, int]]]:
+    """The curve as MLflow metric series, one point per world size (the step is the ranks)."""
+    series: dict[str, list[tuple[float, int]]] = {}
+    for row in rows:
+        figures = {"speedup": row["speedup"].value, "speedup_low": row["speedup"].low,
+                   "speedup_high": row["speedup"].high, "scaling_efficiency": row["efficiency"].value,
+                   "step_s": row["step"].value, "step_s_low": row["step"].low, "step_s_high": row["step"].high,
+                   "predicted_speedup": row["predicted_speedup"]}
+        for name, value in figures.items():
+            if value is not None:
+                series.setdefault(name, []).append((value, row["ranks"]))
+    return series
+

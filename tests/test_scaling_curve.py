@@ -1,0 +1,105 @@
+"""`make scaling`: DDP at several world sizes on this host, the curve with its intervals beside the
+model's; the model's arithmetic on its own."""
+
+import json
+import re
+
+import pytest
+
+from pipeline import scaling, scaling_curve
+from tests.conftest import SMALL, make_project, project_env, run, write_params
+
+
+def breakdown(ranks: int, step: float, device: str = "cpu", compute: float = 0.010) -> dict:
+    steps = [step * (1 + 0.01 * (i % 5)) for i in range(40)]
+    return {"mode": "ddp", "world_size": ranks, "device": device,
+            "ranks": [{"median_s": {"compute": compute, "backward_compute": compute / 2, "step": step},
+                       "buckets": [{"index": 0, "bytes": 4_000_000, "ready_fraction": 1.0}], "step_s": steps}]}
+
+
+LINK = scaling.Link("commcheck", 50e-6, 2 / 1e9, "a test link")  # 1 GB/s bus bandwidth
+
+
+@pytest.mark.fast
+def test_on_a_cpu_the_ideal_stays_flat_and_ranks_past_the_cores_are_marked():
+    runs = {1: breakdown(1, 0.010), 2: breakdown(2, 0.012), 4: breakdown(4, 0.020)}
+    rows = scaling_curve.curve(runs, LINK, cores=2, devices=0)
+    assert [r["ideal_speedup"] for r in rows] == [1, 1, 1]
+    assert [r["oversubscribed"] for r in rows] == [False, False, True]
+    assert rows[0]["speedup"].value == 1.0 and rows[2]["speedup"].value == pytest.approx(0.5, rel=0.05)
+    # The model: world 1's compute on the same cores, plus the all-reduce at N ranks on the link.
+    comm = LINK.allreduce_s(4_000_000, 4)
+    assert rows[2]["predicted_step_s"] == pytest.approx(0.010 + comm)
+    assert rows[2]["predicted_speedup"] == pytest.approx(0.010 / (0.010 + comm))
+    table = scaling_curve.markdown(rows, 2, LINK)
+    assert "| oversubscribed: 4 rank(s) on 2 |" in table and "| 2 rank(s) on 2 |" in table
+
+
+@pytest.mark.fast
+def test_on_gpus_each_rank_adds_a_device_up_to_the_devices():
+    runs = {1: breakdown(1, 0.010, "cuda"), 2: breakdown(2, 0.0055, "cuda"), 4: breakdown(4, 0.0040, "cuda")}
+    rows = scaling_curve.curve(runs, LINK, cores=16, devices=2)
+    assert [r["ideal_speedup"] for r in rows] == [1, 2, 2]  # 4 ranks on 2 GPUs: no more hardware
+    assert not any(r["oversubscribed"] for r in rows)
+    assert rows[1]["efficiency"].value == pytest.approx(rows[1]["speedup"].value / 2)
+    assert rows[1]["predicted_step_s"] == pytest.approx(0.005 + scaling.ddp_exposed_s(
+        runs[1]["ranks"][0]["buckets"], 0.0025, LINK, 2)[1])
+    series = scaling_curve.summary(rows)
+    assert [step for _, step in series["speedup"]] == [1, 2, 4]  # MLflow's step is the world size
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, mnist_dir):
+    project = make_project(tmp_path_factory.mktemp("scaling") / "proj", SMALL)
+    env = project_env(project, MNIST_SOURCE=str(mnist_dir))
+    run(["mnist-pipeline", "prepare"], project, **env)
+    run(["mnist-pipeline", "commcheck"], project, **env)
+    return project, env
+
+
+def test_make_scaling_measures_each_world_size_and_draws_the_curve(project):
+    from mlflow import MlflowClient
+
+    project, env = project
+    result = run(["mnist-pipeline", "scaling", "--world-sizes", "1,3"], project, **env)
+    report = project / "scaling/report"
+    table = (report / "scaling.md").read_text()
+    curve = json.loads((report / "scaling.json").read_text())
+    assert [p["ranks"] for p in curve["points"]] == [1, 3] and curve["cores"] == 2
+    one, three = curve["points"]
+    assert one["speedup"] == {"value": 1.0, "low": 1.0, "high": 1.0}
+    assert three["speedup"]["low"] <= three["speedup"]["value"] <= three["speedup"]["high"]
+    assert three["oversubscribed"] and three["predicted_speedup"] is not None  # commcheck's link
+    for ranks in (1, 3):  # each world trained on its own, with the measured steps the curve shows
+        breakdown = json.loads((project / f"scaling/runs/ddp-{ranks}/results/breakdown/ddp.json").read_text())
+        assert breakdown["world_size"] == ranks and len(breakdown["ranks"]) == ranks
+    assert re.search(r"\| 3 \| \d+ \| [\d.]+ \([\d.]+-[\d.]+\) \| [\d.]+x \([\d.]+-[\d.]+\) \| 1x \|", table)
+    assert "oversubscribed: 3 rank(s) on 2" in table and (report / "curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert "scaling: 3 rank(s): step" in result.stdout and "[oversubscribed]" in result.stdout
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    (scaling_run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                                        "attributes.run_name = 'scaling'")
+    history = client.get_metric_history(scaling_run.info.run_id, "speedup")
+    assert sorted((m.step, round(m.value, 6)) for m in history) == [(1, 1.0), (3, round(three["speedup"]["value"], 6))]
+    assert {a.path for a in client.list_artifacts(scaling_run.info.run_id)} == {"scaling.md", "curve.png",
+                                                                               "scaling.json"}
+    # The sweep's trainings made no mode runs of their own: the scaling run holds the curve.
+    assert client.search_runs([scaling_run.info.experiment_id], "attributes.run_name = 'ddp'") == []
+
+
+@pytest.mark.fast
+def test_bad_world_sizes_no_measured_steps_and_no_data_are_refused_in_one_line(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from stages.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path / "params.yaml", tracking={"enabled": False})
+    bad = CliRunner().invoke(main, ["scaling", "--world-sizes", "0,2"])
+    assert bad.exit_code == 2 and "world sizes are 1 or more" in bad.output
+    nodata = CliRunner().invoke(main, ["scaling", "--world-sizes", "1,2"])
+    assert nodata.exit_code == 1 and "data/prepared: no prepared data; run `dvc repro prepare`" in nodata.output
+    write_params(tmp_path / "params.yaml", train={"breakdown_steps": 0})
+    off = CliRunner().invoke(main, ["scaling"])
+    assert off.exit_code == 1 and "train.breakdown_steps is 0" in off.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # nothing trained, nothing written

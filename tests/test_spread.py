@@ -1,0 +1,103 @@
+"""The step time's interval and the speed-up's, against distributions whose medians are known;
+what the windows of measured steps cover; what other processes on the host take."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import hostload, spread
+from pipeline.breakdown import Probe
+
+pytestmark = pytest.mark.fast  # the inner loop's tier: `make test-fast`
+
+MEDIAN_SINGLE, MEDIAN_DDP, SIGMA = 0.020, 0.012, 0.25
+
+
+def steps(rng: np.random.Generator, median: float, n: int) -> list[float]:
+    """Step times drawn from a log-normal distribution with a known median (right-skewed, as
+    step times are)."""
+    return list(median * np.exp(rng.normal(0.0, SIGMA, n)))
+
+
+def test_the_median_steps_interval_covers_the_true_median_about_95_percent_of_the_time():
+    rng = np.random.default_rng(1)
+    trials = [spread.median_interval(steps(rng, MEDIAN_SINGLE, 40)) for _ in range(300)]
+    covered = sum(t.low <= MEDIAN_SINGLE <= t.high for t in trials) / len(trials)
+    assert 0.90 <= covered <= 0.99, covered
+    assert all(t.low <= t.value <= t.high for t in trials)
+
+
+def test_the_speedups_interval_covers_the_true_ratio_from_both_modes_spread():
+    rng = np.random.default_rng(2)
+    truth = MEDIAN_SINGLE / MEDIAN_DDP
+    trials = [spread.speedup_interval(steps(rng, MEDIAN_SINGLE, 40), steps(rng, MEDIAN_DDP, 40)) for _ in range(300)]
+    covered = sum(t.low <= truth <= t.high for t in trials) / len(trials)
+    assert 0.90 <= covered <= 0.99, covered
+    # Wider than either mode's own relative interval: both spreads are in it.
+    one = spread.median_interval(steps(rng, MEDIAN_DDP, 40))
+    assert np.mean([t.relative_width for t in trials]) > one.relative_width
+
+
+def test_intervals_shrink_as_the_measured_steps_grow():
+    rng = np.random.default_rng(3)
+    width = {n: np.mean([spread.median_interval(steps(rng, MEDIAN_SINGLE, n)).relative_width for _ in range(100)])
+             for n in (20, 80)}
+    assert 1.6 < width[20] / width[80] < 2.6, width  # about sqrt(4) = 2
+
+
+def test_the_same_steps_give_the_same_interval():
+    rng = np.random.default_rng(4)
+    sample = steps(rng, MEDIAN_SINGLE, 30)
+    assert spread.median_interval(sample) == spread.median_interval(list(sample))
+
+
+def test_the_step_series_is_the_slowest_rank_at_each_step():
+    breakdown = {"ranks": [{"step_s": [1.0, 5.0, 2.0]}, {"step_s": [3.0, 1.0, 2.5]}]}
+    assert spread.step_series(breakdown) == [3.0, 5.0, 2.5]
+    assert spread.step_series({"ranks": [{"median_s": {}}]}) == []  # results from before the series
+
+
+@pytest.mark.parametrize("steps_in_epoch, repeats, windows", [(430, 5, 5), (430, 50, 20), (60, 5, 2), (25, 5, 1)])
+def test_the_windows_spread_over_the_epoch_after_the_warm_up_without_overlapping(steps_in_epoch, repeats, windows):
+    probe = Probe(torch.device("cpu"), window=20, trace_steps=2, warmup=10, repeats=repeats)
+    probe.start_epoch(steps_in_epoch, measure=True)
+    measured = probe.window_steps
+    assert probe.windows == windows and len(measured) == len(set(measured)) == windows * probe.measured
+    assert measured == sorted(measured) and measured[-1] < steps_in_epoch
+    traced = [step for step in range(steps_in_epoch) if probe.in_trace(step)]
+    assert len(traced) == 2 and not set(traced) & set(measured)
+    if steps_in_epoch > 30:
+        assert min(measured) == 10  # after the warm-up
+    if windows > 1:
+        assert measured[-1] == steps_in_epoch - 1  # the last window ends the epoch
+
+
+def busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_another_process_busy_on_our_cores_is_counted_and_our_own_work_is_not():
+    if len(os.sched_getaffinity(0)) < 1 or hostload.busy_seconds(hostload.cpus()) is None:
+        pytest.skip("no /proc/stat")
+    sample, started = hostload.Sample(), time.perf_counter()
+    busy(1.5)  # our own work: not another process's
+    own = hostload.others([sample.finish()], time.perf_counter() - started)
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # its start-up
+        sample, started = hostload.Sample(), time.perf_counter()
+        time.sleep(1.5)
+        other = hostload.others([sample.finish()], time.perf_counter() - started)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert own["others_cores"] < 0.5, own
+    assert other["others_cores"] >= 0.7, other  # one core's worth, less the machine's noise
+    assert other["cores"] == len(os.sched_getaffinity(0)) and other["loadavg_1m"] >= 0
