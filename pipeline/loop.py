@@ -289,7 +289,8 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             for index in memory_devices:
                 torch.cuda.reset_peak_memory_stats(index)
             torch.cuda.synchronize(device)
-        host = hostload.Sample()  # what else the host ran meanwhile
+        # What else the host (and this rank's GPUs) ran meanwhile.
+        host = hostload.Sample(hostload.gpu_uuids(memory_devices) if device.type == "cuda" else None)
         started = time.perf_counter()
         first_step = epoch * steps + 1
         probe.start_epoch(steps, measure=epoch == config.epochs - 1)

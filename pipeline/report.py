@@ -251,6 +251,7 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
         lines.append(f"| {row['mode']} | {row['steps_measured']} ({row['windows']}) | {_fmt(slow, 'd')} | "
                      f"{_fmt(r.train.get('steady_step_s') and r.train['steady_step_s'] * 1000, '.2f')} | "
                      + (f"{host['others_cores']:.2f} (of {host['cores']})" if host else "n/a")
+                     + (f"; {host['others_gpu_processes']} on its GPUs" if host.get("others_gpu_processes") else "")
                      + f" | {_fmt(host.get('loadavg_1m'), '.2f')} |")
     lines += ["", "![throughput](throughput.png)", "", "![loss during training](loss.png)", ""]
     return "\n".join(lines)

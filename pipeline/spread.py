@@ -104,4 +104,7 @@ def disturbances(mode: str, steps: list[float], median: Interval | None, mean_st
     if host and host.get("others_cores") is not None and host["others_cores"] > OTHERS_SHARE * host["cores"]:
         found.append(f"other processes kept {host['others_cores']:.1f} of the host's {host['cores']} core(s) "
                      f"busy while {mode} trained (load average {host['loadavg_1m']:.2f})")
+    if host and host.get("others_gpu_processes"):
+        found.append(f"{host['others_gpu_processes']} other compute process(es) shared {mode}'s GPU(s) "
+                     "(NVML, at the end of its last epoch)")
     return found

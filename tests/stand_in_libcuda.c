@@ -8,7 +8,11 @@
  * It shows STAND_IN_GPUS devices (none by default: the CUDA runtime could not use one). With
  * STAND_IN_NVML_INIT set, nvmlInit answers that code instead of success: 999, NVML_ERROR_UNKNOWN,
  * is what a container whose GPUs are not passed through (or were lost) gets, "Failed to
- * initialize NVML: Unknown Error"; cuInit then fails too, CUDA_ERROR_UNKNOWN (999). */
+ * initialize NVML: Unknown Error"; cuInit then fails too, CUDA_ERROR_UNKNOWN (999).
+ * Each device, found by its UUID ("GPU-..."; NVML_ERROR_NOT_FOUND, 6, for one that does not start
+ * so), runs STAND_IN_GPU_PROCESSES compute processes, listed as NVML lists them: asked with no room,
+ * NVML_ERROR_INSUFFICIENT_SIZE (7) and the count, or success when there are none; asked with room,
+ * each process's pid, memory and instance ids (nvmlProcessInfo_v2_t, which _v3 also uses). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,3 +42,25 @@ int nvmlInitWithFlags(unsigned int flags) { return nvml_init("nvmlInitWithFlags"
 int nvmlShutdown(void) { note("nvmlShutdown"); nvml_initialised = 0; return 0; }
 int nvmlDeviceGetCount_v2(unsigned int *n) { note("nvmlDeviceGetCount_v2"); if (!nvml_initialised) return 1; *n = env_int("STAND_IN_GPUS"); return 0; }
 int nvmlSystemGetDriverVersion(char *v, unsigned int len) { note("nvmlSystemGetDriverVersion"); if (!nvml_initialised) return 1; strncpy(v, "580.00", len); return 0; }
+typedef struct { unsigned int pid; unsigned long long usedGpuMemory; unsigned int gpuInstanceId, computeInstanceId; } process_info;
+int nvmlDeviceGetHandleByUUID(const char *uuid, void **device) {
+    note("nvmlDeviceGetHandleByUUID");
+    if (!nvml_initialised) return 1;
+    if (strncmp(uuid, "GPU-", 4) != 0) return 6;
+    *device = (void *)0x1;
+    return 0;
+}
+int nvmlDeviceGetComputeRunningProcesses_v3(void *device, unsigned int *count, process_info *infos) {
+    note("nvmlDeviceGetComputeRunningProcesses_v3");
+    if (!nvml_initialised) return 1;
+    unsigned int n = (unsigned int)env_int("STAND_IN_GPU_PROCESSES");
+    if (n == 0) { *count = 0; return 0; }
+    if (infos == NULL || *count < n) { *count = n; return 7; }
+    for (unsigned int i = 0; i < n; i++) {
+        infos[i].pid = 4000 + i;
+        infos[i].usedGpuMemory = 512ULL << 20;
+        infos[i].gpuInstanceId = infos[i].computeInstanceId = 0xFFFFFFFF;
+    }
+    *count = n;
+    return 0;
+}

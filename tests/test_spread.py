@@ -12,6 +12,7 @@ import torch
 
 from pipeline import hostload, spread
 from pipeline.breakdown import Probe
+from tests.conftest import ROOT, build_stand_in_driver, subprocess_env
 
 pytestmark = pytest.mark.fast  # the inner loop's tier: `make test-fast`
 
@@ -101,3 +102,32 @@ def test_another_process_busy_on_our_cores_is_counted_and_our_own_work_is_not():
     assert own["others_cores"] < 0.5, own
     assert other["others_cores"] >= 0.7, other  # one core's worth, less the machine's noise
     assert other["cores"] == len(os.sched_getaffinity(0)) and other["loadavg_1m"] >= 0
+
+
+def test_other_processes_on_the_gpus_are_counted_beyond_one_of_ours_per_rank():
+    dp = [{"gpu_processes": {"GPU-a": 1, "GPU-b": 2}}]  # DataParallel: one process on every GPU
+    ddp = [{"gpu_processes": {"GPU-a": 1}}, {"gpu_processes": {"GPU-b": 1}}]
+    shared = [{"gpu_processes": {"GPU-a": 2}}, {"gpu_processes": {"GPU-a": 2}}]  # two ranks on one GPU
+    assert [hostload.gpu_others(r) for r in (dp, ddp, shared)] == [1, 0, 0]
+    assert hostload.gpu_others([{"gpu_processes": None}]) is None  # no NVML: nothing to say
+    found = spread.disturbances("ddp", [0.01] * 10, spread.Interval(0.01, 0.0099, 0.0101), None,
+                                {"others_cores": 0.0, "cores": 16, "loadavg_1m": 1.0, "others_gpu_processes": 2})
+    assert found == ["2 other compute process(es) shared ddp's GPU(s) (NVML, at the end of its last epoch)"]
+
+
+def test_nvmls_process_list_is_read_as_the_stand_in_driver_answers(tmp_path):
+    """Through pynvml and the stand-in libnvidia-ml.so.1 (tests/stand_in_libcuda.c), which lists
+    processes as NVML does: the count first (no room: INSUFFICIENT_SIZE), then the records."""
+    build_stand_in_driver(tmp_path)
+
+    def seen(uuid: str = "GPU-0f", **env: str) -> str:
+        done = subprocess.run([sys.executable, "-c", f"from pipeline import hostload; "
+                               f"print(hostload.gpu_processes([{uuid!r}]))"], cwd=ROOT, capture_output=True,
+                              text=True, env=subprocess_env(LD_LIBRARY_PATH=str(tmp_path), **env), timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    assert seen(STAND_IN_GPU_PROCESSES="3") == "{'GPU-0f': 3}"
+    assert seen() == "{'GPU-0f': 0}"  # none: NVML answers at once
+    assert seen("MIG-0f", STAND_IN_GPU_PROCESSES="3") == "None"  # not a name NVML finds
+    assert seen(STAND_IN_NVML_INIT="999") == "None"  # a container whose NVML cannot start
