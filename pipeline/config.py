@@ -100,7 +100,7 @@ class TrainConfig:
     breakdown_steps: int = field(default=20, metadata=_at_least(0))
     # Windows of breakdown_steps, spread over the last epoch's steps after the warm-up (as many as
     # fit): the steps the step time's median and its interval come from (pipeline.spread).
-    breakdown_repeats: int = field(default=5, metadata=_at_least(1))
+    breakdown_repeats: int = field(default=10, metadata=_at_least(1))
     # Then this many steps under torch.profiler, whose trace goes to each rank's MLflow run.
     trace_steps: int = field(default=2, metadata=_at_least(0))
 

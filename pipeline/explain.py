@@ -89,7 +89,8 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
               "| | " + " | ".join(modes) + " |", "|---|" + "---:|" * len(modes)]
     for key, label in PHASE_ROWS:
         lines.append(f"| {label} | " + " | ".join(_ms(measured[m]["median_s"][key]) for m in modes) + " |")
-    steps = {m: spread.median_interval(spread.step_series(breakdowns[m])) for m in modes}
+    steps = {m: spread.median_interval(spread.step_series(breakdowns[m]), spread.windows_of(breakdowns[m]))
+             for m in modes}
     lines.append("| **step** | " + " | ".join(
         f"**{_ms(measured[m]['median_s']['step'])}**" if steps[m] is None else
         f"**{_ms(steps[m].value)}** ({_ms(steps[m].low)}-{_ms(steps[m].high)})" for m in modes) + " |")

@@ -11,27 +11,34 @@ import socket
 import time
 from pathlib import Path
 
-# /proc/stat's columns, in USER_HZ: user nice system idle iowait irq softirq steal (guest is in user).
-BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
+# /proc/stat's columns, in USER_HZ: user nice system idle iowait irq softirq steal (guest is in
+# user). Busy: user, nice, system and steal (another guest on the hypervisor, as disturbing as
+# another process); irq and softirq are left out, since the training's own loopback traffic
+# (gloo) lands there and no process's CPU time holds it.
+BUSY_COLUMNS = (0, 1, 2, 7)
 
 
 def cpus() -> tuple[int, ...]:
+    if not hasattr(os, "sched_getaffinity"):
+        return tuple(range(os.cpu_count() or 1))
     return tuple(sorted(os.sched_getaffinity(0)))
 
 
-def busy_seconds(allowed: tuple[int, ...]) -> float | None:
-    """Seconds the `allowed` CPUs spent busy since boot (None where /proc/stat cannot be read)."""
+def busy_seconds(allowed: tuple[int, ...]) -> dict[int, float] | None:
+    """Seconds each of the `allowed` CPUs spent busy since boot; None where /proc/stat cannot be
+    read or does not list them all (lxcfs renumbers the CPUs a container sees)."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
         return None
-    wanted = {f"cpu{index}" for index in allowed}
-    ticks = 0
+    wanted = {f"cpu{index}": index for index in allowed}
+    found = {}
     for line in lines:
-        name, *columns = line.split()
+        name, *columns = line.split() or [""]
         if name in wanted:
-            ticks += sum(int(columns[i]) for i in BUSY_COLUMNS if i < len(columns))
-    return ticks / os.sysconf("SC_CLK_TCK")
+            found[wanted[name]] = sum(int(columns[i]) for i in BUSY_COLUMNS if i < len(columns)) \
+                / os.sysconf("SC_CLK_TCK")
+    return found if len(found) == len(wanted) else None
 
 
 def gpu_uuids(indices: list[int]) -> list[str]:
@@ -75,7 +82,8 @@ class Sample:
     def finish(self) -> dict:
         busy = busy_seconds(self.cpus)
         return {"host": socket.gethostname(), "cpus": self.cpus,
-                "busy_s": None if busy is None or self.busy is None else busy - self.busy,
+                "busy_s": (None if busy is None or self.busy is None
+                           else {cpu: busy[cpu] - self.busy[cpu] for cpu in self.cpus}),
                 "own_s": time.process_time() - self.own, "loadavg_1m": os.getloadavg()[0],
                 "gpu_processes": gpu_processes(self.gpus)}
 
@@ -107,9 +115,10 @@ def others(samples: list[dict], wall_s: float) -> dict | None:
     for ranks in hosts.values():
         if wall_s <= 0 or any(r["busy_s"] is None for r in ranks):
             return None
-        by_cpus = {tuple(r["cpus"]): r["busy_s"] for r in ranks}
-        cores = len({cpu for r in ranks for cpu in r["cpus"]})
-        taken = max(0.0, (sum(by_cpus.values()) - sum(r["own_s"] for r in ranks)) / wall_s)
+        # Each CPU once, however many ranks of this host may run on it.
+        busy = {cpu: seconds for r in ranks for cpu, seconds in r["busy_s"].items()}
+        cores = len(busy)
+        taken = max(0.0, (sum(busy.values()) - sum(r["own_s"] for r in ranks)) / wall_s)
         found = {"others_cores": round(min(taken, cores), 2), "cores": cores,
                  "loadavg_1m": round(max(r["loadavg_1m"] for r in ranks), 2),
                  "others_gpu_processes": gpu_others(ranks)}

@@ -68,11 +68,11 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
     by_steps = all(r.step_times for r in results)
     rows = []
     for r in results:
-        step = spread.median_interval(r.step_times)
+        step = spread.median_interval(r.step_times, r.windows)
         if r is baseline:  # its own steps over themselves: exactly 1
             speedup = spread.Interval(1.0, 1.0, 1.0)
         elif baseline and by_steps:
-            speedup = spread.speedup_interval(baseline.step_times, r.step_times)
+            speedup = spread.speedup_interval(baseline.step_times, r.step_times, baseline.windows, r.windows)
         elif baseline:
             value = r.train[throughput] / baseline.train[throughput]
             speedup = spread.Interval(value, value, value)
@@ -214,11 +214,13 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
     first = rows[0] if rows else None
     if first and first["speedup_from"] == "median_step":
         how = (f"Speed-up is single's median step time over the mode's: every mode trains on the same global "
-               f"batches, so it is the throughput's ratio. The step time is a measured step's wall time on the "
+               f"batches, so it says how much faster a typical step runs (the samples/s columns are the "
+               f"epochs' means, slow steps included). The step time is a measured step's wall time on the "
                f"rank slowest at it, its median over {first['steps_measured']} steps of the last epoch "
                f"({first['windows']} window(s) of train.breakdown_steps spread over the steps after the "
-               f"warm-up, train.breakdown_repeats); in brackets, 95% bootstrap intervals over those steps, "
-               f"the speed-up's from both modes' steps")
+               f"warm-up, train.breakdown_repeats); in brackets, 95% bootstrap intervals (the windows "
+               f"resampled, then the steps in each), the speed-up's from both modes' steps; they hold the "
+               f"spread within one training, not between two")
     else:
         how = ("Speed-up is samples/s over the single-device baseline"
                + (f", both after each epoch's first {first['warmup_steps']} steps (the warm-up: library handles, "

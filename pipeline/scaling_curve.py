@@ -1,8 +1,8 @@
 """DDP's strong-scaling curve on this host: the same global batch at several world sizes, measured
 (median step with its interval, pipeline.spread) beside what the scaling model predicts.
 
-Speed-up at N ranks is the smallest world's median step over N's (the same global batches, so
-the throughput's ratio). The ideal is the hardware the ranks add: one device each on GPUs, up to
+Speed-up at N ranks is the smallest world's median step over N's (the same global batches: how
+much faster a typical step runs). The ideal is the hardware the ranks add: one device each on GPUs, up to
 the devices there are; on a CPU the first rank already runs on every core (torch's intra-op
 threads), and more ranks only divide the same cores, so the ideal stays 1x at every N.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline import scaling, spread
+from pipeline.errors import PipelineError
 from pipeline.plotting import pyplot
 from pipeline.report import interval_text
 
@@ -47,24 +48,28 @@ def curve(runs: dict[int, dict], link: scaling.Link | None, cores: int, devices:
     sizes = sorted(runs)
     base = runs[sizes[0]]
     device = base["device"]
-    base_steps = spread.step_series(base)
+    base_steps, base_windows = spread.step_series(base), spread.windows_of(base)
     base_predicted = predicted_step_s(base, link, sizes[0], device, devices)
     rows = []
     for ranks in sizes:
-        steps = spread.step_series(runs[ranks])
-        speedup = spread.speedup_interval(base_steps, steps) if ranks != sizes[0] else spread.Interval(1.0, 1.0, 1.0)
+        steps, windows = spread.step_series(runs[ranks]), spread.windows_of(runs[ranks])
+        if not steps:
+            raise PipelineError(f"ddp on {ranks} rank(s) measured no step (an epoch shorter than "
+                                "train.trace_steps?): nothing to draw")
+        step = spread.median_interval(steps, windows)
+        speedup = (spread.speedup_interval(base_steps, steps, base_windows, windows) if ranks != sizes[0]
+                   else spread.Interval(1.0, 1.0, 1.0))
         ideal = capacity(ranks, device, devices) / capacity(sizes[0], device, devices)
         predicted = predicted_step_s(base, link, ranks, device, devices)
         rows.append({
             "ranks": ranks, "device": device, "steps_measured": len(steps),
-            "step": spread.median_interval(steps), "speedup": speedup, "ideal_speedup": ideal,
+            "step": step, "speedup": speedup, "ideal_speedup": ideal,
             "efficiency": speedup.scaled(1 / ideal) if speedup else None,
             "predicted_step_s": predicted,
             "predicted_speedup": base_predicted / predicted if predicted and base_predicted else None,
             # More ranks than the cores they share: each time-shares a core (CPU ranks only).
             "oversubscribed": device == "cpu" and ranks > cores,
-            "warnings": spread.disturbances(f"ddp on {ranks} rank(s)", steps, spread.median_interval(steps), None,
-                                            runs[ranks].get("host_load")),
+            "warnings": spread.disturbances(f"ddp on {ranks} rank(s)", steps, step, None, runs[ranks].get("host_load")),
         })
     return rows
 

@@ -31,10 +31,9 @@ def mode_result(mode: str, breakdown: dict) -> ModeResult:
     for path in (curves, steps):
         if not path.is_file():
             raise PipelineError(f"{path}: missing; run the train stage for {mode} first (dvc repro)")
-    windows = max((r.get("windows", 1) for r in breakdown.get("ranks") or []), default=0)
     return ModeResult(mode, read_metrics(Path("results/train") / f"{mode}.json"),
                       read_metrics(Path("results/eval") / f"{mode}.json"), read_curves(curves), read_curves(steps),
-                      spread.step_series(breakdown), windows)
+                      spread.step_series(breakdown), spread.windows_of(breakdown))
 
 
 def interval_figures(row: dict) -> dict[str, float]:

@@ -16,7 +16,7 @@ import yaml
 
 from pipeline import scaling_curve
 from pipeline.scaling import Link, measured_link
-from pipeline.atomic import atomic_dir, read_json, write_text
+from pipeline.atomic import atomic_dir, check_replaceable, read_json, write_text
 from pipeline.config import load_config
 from pipeline.errors import PipelineError
 from pipeline.report import interval_text
@@ -108,6 +108,7 @@ def scaling(params_path: str, world_sizes: list[int] | None, data_dir: str, out:
     if config.tracking.enabled:
         check_store(tracking_uri())
     report = Path(out) / "report"
+    check_replaceable(report, REPORT_FILES)  # before the trainings, not after them
     params = yaml.safe_load(Path(params_path).read_text())
     runs = {ranks: train_at(ranks, params, Path(data_dir), Path(out) / "runs" / f"ddp-{ranks}")
             for ranks in world_sizes or default_world_sizes()}

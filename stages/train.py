@@ -77,10 +77,10 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
         "steady_samples_per_s": (round(sum(m["steady_samples_per_s"] * m["steady_time_s"] for m in steady)
                                        / steady_time, 1) if steady_time else None),
         "warmup_steps": config.train.throughput_warmup_steps,
-        # The mean step after the warm-up, slow ones included, beside the measured steps' median
-        # (pipeline.spread: far above it, the epoch was slowed outside the measured steps).
-        "steady_step_s": (round(steady_time / steps, 6)
-                          if steady_time and (steps := sum(m.get("steady_steps", 0) for m in steady)) else None),
+        # The last epoch's mean step after the warm-up, slow ones included, beside its measured steps'
+        # (pipeline.spread: far from theirs, the measured windows missed or caught a slow spell).
+        "steady_step_s": (round(last["steady_time_s"] / last["steady_steps"], 6)
+                          if last.get("steady_time_s") and last.get("steady_steps") else None),
         # What else the host ran during the last epoch (the one whose steps were measured).
         "host_load": last.get("host_load"),
         **{key: last[key] for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy")},
