@@ -62,14 +62,22 @@ def log_compare_run(config: TrackingConfig, mode_ids: dict[str, dict], artifacts
     tags.update({"mlflow.note.content": f"Compares the mode runs: {links}", **git_facts(), **dvc_experiment_facts()})
     with store_errors(uri, "logging the compare run"):
         client = MlflowClient(uri)  # in here: it opens the store (a SQL store checks its schema)
-        run_id = client.create_run(experiment_id, run_name=run_name("compare"), tags=tags).info.run_id
-        try:
-            for path in artifacts:
-                client.log_artifact(run_id, str(path))
-        except BaseException:
-            client.set_terminated(run_id, "FAILED")
-            raise
-        client.set_terminated(run_id, "FINISHED")
+        return finished_run(client, experiment_id, "compare", tags, [], artifacts)
+
+
+def finished_run(client, experiment_id: str, name: str, tags: dict[str, str], metrics: list,
+                 artifacts: Iterable[Path]) -> str:
+    """A run made whole in one go: its metrics and files, then FINISHED (FAILED if logging fails)."""
+    run_id = client.create_run(experiment_id, run_name=run_name(name), tags=tags).info.run_id
+    try:
+        if metrics:
+            client.log_batch(run_id, metrics=metrics)
+        for path in artifacts:
+            client.log_artifact(run_id, str(path))
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id, "FINISHED")
     return run_id
 
 
@@ -84,16 +92,6 @@ def log_scaling_run(config: TrackingConfig, series: dict[str, list[tuple[float, 
     uri = tracking_uri()
     with store_errors(uri, "logging the scaling run"):
         client = MlflowClient(uri)
-        experiment_id = open_experiment(client, config.experiment, uri)
-        run_id = client.create_run(experiment_id, run_name=run_name("scaling"),
-                                   tags={**git_facts(), **dvc_experiment_facts()}).info.run_id
-        try:
-            client.log_batch(run_id, metrics=metric_batch(
-                (name, value, step) for name, points in series.items() for value, step in points))
-            for path in artifacts:
-                client.log_artifact(run_id, str(path))
-        except BaseException:
-            client.set_terminated(run_id, "FAILED")
-            raise
-        client.set_terminated(run_id, "FINISHED")
-    return run_id
+        points = metric_batch((name, value, step) for name, points in series.items() for value, step in points)
+        return finished_run(client, open_experiment(client, config.experiment, uri), "scaling",
+                            {**git_facts(), **dvc_experiment_facts()}, points, artifacts)
