@@ -41,12 +41,17 @@ scaling: install
 	dvc repro prepare commcheck
 	mnist-pipeline scaling $(ARGS)
 
+# The suite on TEST_WORKERS processes (pytest-xdist), each handed a test file at a time, the longest
+# first (tests/conftest.py): a file's module fixtures are made once. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+
 test: install test-deps
-	pytest
+	pytest $(XDIST)
 
 # The inner loop: the tests marked `fast`, a few minutes at most; `make test` stays the whole suite.
 test-fast: install
-	pytest -m fast -q
+	pytest -m fast -q $(XDIST)
 
 # Whether the fast tier runs every module of pipeline/ and stages/, in every process it starts.
 test-fast-coverage: install

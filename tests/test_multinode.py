@@ -319,6 +319,10 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 ReturnToService=2
+# `sbatch --wait` polls at 2 s, then 8 and 32 s, unless a finished job could leave the controller
+# between polls (after MinJobAge, 300 s by default): at 5 s it polls every 2 s, as a job's end is
+# seen at once (src/sbatch/sbatch.c, _job_wait). Nothing here reads a job once it ended.
+MinJobAge=5
 StateSaveLocation={home}/state
 SlurmdSpoolDir={home}/spool-%n
 SlurmctldPidFile={home}/slurmctld.pid
