@@ -61,6 +61,22 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test marked `alone` (its claim is a timing) runs while no other worker runs a test: each
+    test holds a shared lock on one file from its setup (the module's fixtures included) to its
+    teardown, an `alone` test an exclusive one, which it gets between two of the other's tests."""
+    factory = getattr(item.config, "_tmp_path_factory", None)
+    if factory is None or "PYTEST_XDIST_WORKER" not in os.environ:
+        return (yield)
+    import fcntl
+
+    lock = factory.getbasetemp().parent / "alone.lock"  # the run's folder, one for all its workers
+    with lock.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
+        return (yield)
+
+
 @pytest.fixture(scope="session")
 def mnist_dir() -> Path:
     return find_mnist(dict(os.environ))
@@ -258,10 +274,14 @@ def ddp_worker_pids(launcher: int) -> dict[int, int]:
         under |= {pid for pid, parent in parents.items() if parent in under}
     for pid in under - {launcher}:
         try:
-            targets = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
         except OSError:
             continue
-        for target in targets:
+        for fd in fds:
+            try:  # one fd closed since the listing is no reason to pass over the process
+                target = os.readlink(fd)
+            except OSError:
+                continue
             if (log := re.search(r"/logs/rank-(\d+)\.log$", target)):
                 found[int(log[1])] = pid
     return found

@@ -28,6 +28,8 @@ def repro(tmp_path_factory, mnist_dir):
     return project, env, result
 
 
+# alone: the module's repro (set up here) times every mode, and the slowed-baseline test compares with them
+@pytest.mark.alone
 def test_repro_runs_every_stage(repro):
     project, _, result = repro
     stages = ["prepare", "commcheck", *(f"train@{m}" for m in MODES), "evaluate", "compare"]
@@ -43,6 +45,7 @@ def test_repro_runs_every_stage(repro):
         assert (project / "plots/confusion" / f"{mode}.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.alone
 def test_a_baseline_slowed_on_purpose_is_caught_in_every_view(repro, tmp_path):
     """As on a shared server when another job takes single's CPU: single's last epoch runs a tenth
     of the time (SIGSTOP/SIGCONT), so DDP's speed-up exceeds what 2 cores allow. The console, the

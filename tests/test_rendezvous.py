@@ -92,6 +92,7 @@ def test_the_check_lets_a_real_rendezvous_through_and_waits_for_a_late_host():
 
 
 @pytest.mark.fast
+@pytest.mark.alone
 def test_ctrl_c_ends_the_check_at_once(squatter):
     proc = subprocess.Popen(["mnist-pipeline", "rendezvous-check", "--endpoint", f"127.0.0.1:{squatter}"],
                             env=subprocess_env(), stderr=subprocess.PIPE, text=True)

@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.multinode,
               pytest.mark.skipif(skip_reason() is not None, reason=f"multinode: {skip_reason()}")]
 
 
+@pytest.mark.alone
 def test_the_predicted_step_follows_the_measured_one_as_the_link_slows(tmp_path, mnist_dir):
     project = prepared_project(tmp_path, mnist_dir)
     dirs = node_dirs(project, tmp_path)

@@ -84,6 +84,7 @@ def busy(seconds: float) -> None:
         pass
 
 
+@pytest.mark.alone
 def test_another_process_busy_on_our_cores_is_counted_and_our_own_work_is_not():
     if len(os.sched_getaffinity(0)) < 1 or hostload.busy_seconds(hostload.cpus()) is None:
         pytest.skip("no /proc/stat")
