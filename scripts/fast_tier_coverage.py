@@ -22,6 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("pipeline", "stages")
+# As `make test-fast` runs the tier: on 2 workers, a file at a time (each worker a process coverage
+# measures, as it does every process the tests start).
+XDIST = ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder")
 
 
 def config(data_file: Path) -> str:
@@ -73,7 +76,7 @@ def main() -> int:
         rcfile.write_text(config(Path(tmp) / ".coverage"))
         env = {**os.environ, "COVERAGE_PROCESS_START": str(rcfile), "COVERAGE_RCFILE": str(rcfile)}
         done = subprocess.run([sys.executable, "-m", "coverage", "run", "-m", "pytest", "-m", "fast", "-q",
-                               "-p", "no:cacheprovider"], cwd=ROOT, env=env)
+                               "-p", "no:cacheprovider", *XDIST], cwd=ROOT, env=env)
         subprocess.run([sys.executable, "-m", "coverage", "combine", "-q"], cwd=tmp, env=env, check=True)
         missing = unexercised(coverage, rcfile)
     total = len(modules())

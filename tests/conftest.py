@@ -67,7 +67,7 @@ def pytest_runtest_protocol(item, nextitem):
     test holds a shared lock on one file from its setup (the module's fixtures included) to its
     teardown, an `alone` test an exclusive one, which it gets between two of the other's tests."""
     factory = getattr(item.config, "_tmp_path_factory", None)
-    if factory is None or "PYTEST_XDIST_WORKER" not in os.environ:
+    if factory is None or not hasattr(item.config, "workerinput"):  # not an xdist worker
         return (yield)
     import fcntl
 

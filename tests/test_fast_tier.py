@@ -5,9 +5,12 @@ fails here, in the full suite."""
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, subprocess_env
 
 
+@pytest.mark.alone  # its run of the fast tier has timings of its own (a Ctrl-C answered within 3 s), and 2 workers
 def test_the_fast_tier_runs_a_function_of_every_module():
     done = subprocess.run([sys.executable, "scripts/fast_tier_coverage.py"], cwd=ROOT, env=subprocess_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
