@@ -46,8 +46,10 @@ scaling: install
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
+# The fast tier runs once, inside it: tests/test_fast_tier.py runs it under coverage and fails when
+# any of its tests does (so the tier is not run twice); `pytest` alone runs it twice.
 test: install test-deps
-	pytest $(XDIST)
+	pytest -m "not fast" $(XDIST)
 
 # The inner loop: the tests marked `fast`, a few minutes at most; `make test` stays the whole suite.
 test-fast: install

@@ -70,11 +70,20 @@ def pytest_runtest_protocol(item, nextitem):
     if factory is None or not hasattr(item.config, "workerinput"):  # not an xdist worker
         return (yield)
     import fcntl
+    import time
 
     lock = factory.getbasetemp().parent / "alone.lock"  # the run's folder, one for all its workers
     with lock.open("a") as handle:
+        asked = time.time()
         fcntl.flock(handle, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
-        return (yield)
+        got = time.time()
+        try:
+            return (yield)
+        finally:
+            if timeline := os.environ.get("MNP_TEST_TIMELINE"):  # where a run's time goes: docs/testing.md
+                with open(timeline, "a") as out:
+                    out.write(f"{item.config.workerinput['workerid']} {asked:.2f} {got:.2f} {time.time():.2f} "
+                              f"{item.nodeid}\n")
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """The fast tier (`make test-fast`: the tests marked `fast`) runs every module of pipeline/ and
 stages/, in whatever process the module runs in: a module added without a fast test that runs it
-fails here, in the full suite."""
+fails here, in the full suite. `make test` runs the tier only here (`-m "not fast"`), so a fast
+test that fails fails this one, named in its message."""
 
 import subprocess
 import sys
@@ -14,8 +15,10 @@ from tests.conftest import ROOT, subprocess_env
 def test_the_fast_tier_runs_a_function_of_every_module():
     done = subprocess.run([sys.executable, "scripts/fast_tier_coverage.py"], cwd=ROOT, env=subprocess_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
-    verdict = done.stdout.strip().splitlines()[-1]
-    assert done.returncode == 0 and verdict.startswith("fast tier: every one of the"), done.stdout[-3000:]
+    lines = done.stdout.strip().splitlines()
+    failed = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    assert done.returncode == 0 and lines[-1].startswith("fast tier: every one of the"), \
+        "\n".join([done.stdout[-3000:], *failed])
 
 
 def test_a_module_whose_functions_never_ran_is_named(tmp_path, monkeypatch):

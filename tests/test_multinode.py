@@ -486,9 +486,10 @@ def test_an_interrupted_slurm_training_continues_on_the_next_repro(hosts, slurm,
                                                                    mnist_dir, tmp_path):
     """The job dies after epoch 1 with no restart left in it, so sbatch and the stage fail. The
     next `dvc repro` submits a new job that continues: epoch 2 only, in the same MLflow runs, to
-    the weights of a training never interrupted."""
-    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "launcher": "slurm",
-                                                                  "nodes": 2, "nproc": 1, "cpus_per_rank": 1}})
+    the weights of a training never interrupted. (No commcheck: the test above sends it to Slurm.)"""
+    project = make_project(tmp_path / "proj", {**SMALL, "commcheck": {"enabled": False},
+                                               "train": {**SMALL["train"], "launcher": "slurm",
+                                                         "nodes": 2, "nproc": 1, "cpus_per_rank": 1}})
     env = {**slurm, **project_env(project, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=tracking_server,
                                   MNIST_SOURCE=str(mnist_dir), **CREDENTIALS)}
     crashed = hosts[0].run(["dvc", "repro", "train@ddp"], cwd=project, timeout=TWO_NODE_TIMEOUT_S,
