@@ -46,10 +46,14 @@ scaling: install
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# The fast tier runs once, inside it: tests/test_fast_tier.py runs it under coverage and fails when
-# any of its tests does (so the tier is not run twice); `pytest` alone runs it twice.
+# In two runs: the tests on TEST_WORKERS processes, then those marked `alone` (their claims are
+# timings) in one process, with nothing beside them and no worker left waiting for them. The fast
+# tier runs once, inside: tests/test_fast_tier.py runs it under coverage and fails when any of its
+# tests does. (`pytest` by itself runs every test too, the fast tier twice.)
 test: install test-deps
-	pytest -m "not fast" $(XDIST)
+	pytest -m "not fast and not alone" $(XDIST); workers=$$?; \
+	pytest -m "alone and not fast"; alone=$$?; \
+	exit $$(( workers ? workers : alone ))
 
 # The inner loop: the tests marked `fast`, a few minutes at most; `make test` stays the whole suite.
 test-fast: install

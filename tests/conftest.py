@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import re
 import shutil
@@ -9,6 +11,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -65,7 +68,9 @@ def pytest_collection_modifyitems(items) -> None:
 def pytest_runtest_protocol(item, nextitem):
     """A test marked `alone` (its claim is a timing) runs while no other worker runs a test: each
     test holds a shared lock on one file from its setup (the module's fixtures included) to its
-    teardown, an `alone` test an exclusive one, which it gets between two of the other's tests."""
+    teardown, an `alone` test an exclusive one, which it gets between two of the other's tests.
+    (`make test` runs them after the others, in one process; this holds them in `make test-fast`
+    and a `pytest -n` run, where a worker waits out the other's test.)"""
     factory = getattr(item.config, "_tmp_path_factory", None)
     if factory is None or not hasattr(item.config, "workerinput"):  # not an xdist worker
         return (yield)
@@ -179,11 +184,31 @@ SMALL = {"data": {"train_limit": 1100, "val_size": 100},
          "evaluate": {"min_test_accuracy": 0.5}}  # about 80% after 20 steps on 1000 images
 
 
+_PREPARED: dict[tuple[str, str], Path] = {}  # (data settings, source) -> what prepare wrote for them
+
+
+def prepare(project: Path, source: Path) -> None:
+    """`mnist-pipeline prepare` in `project`, from the MNIST files in `source`. A test process runs
+    the command once for each data settings and source, and later projects of the same two get a
+    copy of what it wrote (the same bytes a run would write: prepare is seeded, and records only
+    the settings and the files' digests), which saves each a process's imports and reading. A test
+    whose claim is prepare itself runs the command."""
+    data = yaml.safe_load((project / "params.yaml").read_text())["data"]
+    key = (json.dumps(data, sort_keys=True), str(source))
+    if key not in _PREPARED:
+        run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(source)))
+        _PREPARED[key] = Path(tempfile.mkdtemp(prefix="mnp-prepared-"))  # out of every test's tmp_path
+        atexit.register(shutil.rmtree, _PREPARED[key], ignore_errors=True)
+        shutil.copytree(project / "data/prepared", _PREPARED[key], dirs_exist_ok=True)
+    else:
+        shutil.copytree(_PREPARED[key], project / "data/prepared")
+
+
 @pytest.fixture(scope="module")
 def small_project(tmp_path_factory, mnist_dir) -> Path:
     """A project copy with a prepared 1000-image slice of real MNIST: 10 steps per epoch."""
     project = make_project(tmp_path_factory.mktemp("small") / "proj", SMALL)
-    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    prepare(project, mnist_dir)
     return project
 
 

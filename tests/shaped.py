@@ -17,7 +17,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
-from tests.conftest import SMALL, make_project, project_env, run, subprocess_env
+from tests.conftest import SMALL, make_project, prepare, project_env, run, subprocess_env
 from tests.hosts import INTERFACE, Host
 
 RATES_MBIT = (None, 1000, 100)  # None: the veth as it is
@@ -49,7 +49,7 @@ def shape(host: Host, mbit: int | None) -> None:
 
 def prepared_project(root: Path, mnist_dir: Path) -> Path:
     project = make_project(root / "proj", PARAMS)
-    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    prepare(project, mnist_dir)
     return project
 
 

@@ -11,13 +11,13 @@ import torch
 import yaml
 from mlflow import MlflowClient
 
-from tests.conftest import SMALL, make_project, project_env, run, subprocess_env, train_cli
+from tests.conftest import SMALL, make_project, prepare, project_env, run, subprocess_env, train_cli
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, mnist_dir):
     project = make_project(tmp_path_factory.mktemp("failures") / "proj", SMALL)
-    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    prepare(project, mnist_dir)
     return project
 
 

@@ -17,14 +17,14 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import SMALL, make_project, project_env, run, subprocess_env, train_cli
+from tests.conftest import SMALL, make_project, prepare, project_env, run, subprocess_env, train_cli
 from tests.test_start_checks import assert_refused_and_untouched, digests, plant_previous_training
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, mnist_dir):
     project = make_project(tmp_path_factory.mktemp("faults") / "proj", SMALL)
-    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    prepare(project, mnist_dir)
     return project
 
 

@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import SMALL, ddp_worker_pids, first_epoch_run, make_project, project_env, run, subprocess_env
+from tests.conftest import (SMALL, ddp_worker_pids, first_epoch_run, make_project, prepare, project_env, run,
+                            subprocess_env)
 
 
 @pytest.mark.parametrize("victim", [0, 1])
 def test_every_run_ends_failed_when_a_rank_is_killed(tmp_path, mnist_dir, victim):
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 500}})
-    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    prepare(project, mnist_dir)
     proc = subprocess.Popen(["mnist-pipeline", "train", "--mode", "ddp"], cwd=project, text=True,
                             env=subprocess_env(**project_env(project)), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -44,7 +45,7 @@ def test_a_killed_fork_server_takes_its_workers_with_it(tmp_path, mnist_dir, sig
     then turns torch's SIGINT on the parent's death into an exit."""
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint == "ignored" else None
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 500}})
-    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    prepare(project, mnist_dir)
     proc = subprocess.Popen(["mnist-pipeline", "train", "--mode", "ddp"], cwd=project, text=True,
                             env=subprocess_env(**project_env(project)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             preexec_fn=ignore)

@@ -4,7 +4,11 @@ clean clone of this repository, one block at a time as a newcomer pastes it."""
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -40,10 +44,43 @@ def clean_clone(dest: Path) -> Path:
     return dest
 
 
-def shell(script: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+def fresh_env(cwd: Path) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env.update(PATH=FRESH_PATH, PYTHONPATH=str(cwd))  # PYTHONPATH: the clone's code, not this checkout's
-    return subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return env
+
+
+def shell(script: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", script], cwd=cwd, env=fresh_env(cwd), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def serve_until_it_answers(script: str, cwd: Path, port: int, timeout: float = 90) -> str:
+    """Runs a command that serves on 127.0.0.1:`port` until stopped; stops it (SIGTERM, as Ctrl-C
+    would) once it answers, and returns its output. Fails if it ends by itself or never answers."""
+    with socket.socket() as probe:  # another server there would answer for it
+        assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is taken before `{script}`: free it"
+    url = f"http://127.0.0.1:{port}/health"
+    server = subprocess.Popen(["bash", "-c", script], cwd=cwd, env=fresh_env(cwd), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            assert server.poll() is None, f"{script}: ended by itself ({server.returncode}):\n{server.stdout.read()}"
+            try:
+                urllib.request.urlopen(url, timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"{script}: {url} did not answer within {timeout} s"
+                time.sleep(0.3)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            output = server.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            raise
+    return output
 
 
 def test_quick_start_and_workflows_work_as_written(tmp_path, mnist_dir):
@@ -58,10 +95,9 @@ def test_quick_start_and_workflows_work_as_written(tmp_path, mnist_dir):
     assert re.search(r"^workspace .* single +\d+\.\d+% ", first.stdout, re.M), first.stdout[-2000:]
 
     # make ui serves MLflow (it runs until stopped): its links come first.
-    served = shell(f"timeout 20 {ui[0]}", project, timeout=60)
-    assert served.returncode == 124, served.stderr[-2000:]
-    assert re.search(r"modes compared at http://127\.0\.0\.1:5000/#/compare-runs\?runs=%5B%22[0-9a-f]{32}", served.stdout)
-    assert "the ddp ranks compared at" in served.stdout
+    served = serve_until_it_answers(ui[0], project, 5000)
+    assert re.search(r"modes compared at http://127\.0\.0\.1:5000/#/compare-runs\?runs=%5B%22[0-9a-f]{32}", served)
+    assert "the ddp ranks compared at" in served
 
     workflows = shell("set -e\nsource .venv/bin/activate\n" + "\n".join(blocks("Workflows")), project, timeout=1500)
     assert workflows.returncode == 0, workflows.stdout[-3000:] + workflows.stderr[-3000:]

@@ -17,7 +17,7 @@ from pipeline import record
 from pipeline import reproduce as remake
 from pipeline.tracking.store import sqlite_uri
 from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, build_stand_in_driver, commit_notes, edit_notes, free_port,
-                            make_project, project_env, run, subprocess_env, train_cli, write_tiny_mnist)
+                            make_project, prepare, project_env, run, subprocess_env, train_cli, write_tiny_mnist)
 
 def gpus_here() -> int:
     import torch
@@ -57,7 +57,7 @@ def verdict(proc: subprocess.CompletedProcess) -> str:
 def trained(tmp_path_factory, mnist_dir) -> Path:
     """A small project in which each mode trained once, from a clean tree."""
     project = make_project(tmp_path_factory.mktemp("reproduce") / "proj", SMALL)
-    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    prepare(project, mnist_dir)
     for mode in ("single", "dp", "ddp"):
         train_cli(project, mode)
     return project
@@ -107,7 +107,7 @@ def test_a_run_from_a_dirty_tree_is_remade_from_its_patch(tmp_path, mnist_dir):
     """The uncommitted change decides the weights (a narrower layer): without the patch, the
     reproduction could not match."""
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 1}})
-    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    prepare(project, mnist_dir)
     commit_notes(project)
     edit_notes(project)  # bytes a text round trip would change: the patch must still apply
     model = project / "pipeline" / "model.py"

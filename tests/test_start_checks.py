@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import (SMALL, VENV_BIN, free_port, idx_bytes, make_project, project_env, run,
+from tests.conftest import (SMALL, VENV_BIN, free_port, idx_bytes, make_project, prepare, project_env, run,
                             start_mlflow_server, stop_mlflow_server, subprocess_env, train_cli, write_tiny_mnist)
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, mnist_dir):
     project = make_project(tmp_path_factory.mktemp("start") / "proj", SMALL)
-    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    prepare(project, mnist_dir)
     return project
 
 

@@ -16,8 +16,8 @@ from mlflow import MlflowClient
 from pipeline import record
 from pipeline.model import build_model
 from pipeline.tracking.model import load_model
-from tests.conftest import (SMALL, commit_notes, edit_notes, first_epoch_run, free_port, make_project, project_env, run,
-                            subprocess_env, train_cli)
+from tests.conftest import (SMALL, commit_notes, edit_notes, first_epoch_run, free_port, make_project, prepare,
+                            project_env, run, subprocess_env, train_cli)
 
 PARENT_METRICS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
 CHILD_METRICS = ("loss", "samples_per_s", "data_time_s", "forward_time_s", "backward_time_s", "optimizer_time_s",
@@ -29,7 +29,7 @@ def project_with(root, mnist_dir, name, **sections):
     for section, values in sections.items():
         params.setdefault(section, {}).update(values)
     project = make_project(root / name, params)
-    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    prepare(project, mnist_dir)
     return project
 
 

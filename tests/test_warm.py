@@ -24,7 +24,7 @@ from mlflow import MlflowClient
 from pipeline.runtime import warm, warm_server
 from stages.entry import PACKAGES, WARM_APP
 from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, build_stand_in_driver, ddp_worker_pids, first_epoch_run,
-                            make_project, project_env, run, subprocess_env)
+                            make_project, prepare, project_env, run, subprocess_env)
 
 def servers_for(project: Path) -> list[int]:
     """The warm servers started in this project's folder or below: `mnist-pipeline warm-server
@@ -75,7 +75,7 @@ def stop_servers(project: Path) -> None:
 @pytest.fixture(scope="module")
 def project(tmp_path_factory, mnist_dir):
     project = make_project(tmp_path_factory.mktemp("warm") / "proj", SMALL)
-    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    prepare(project, mnist_dir)
     yield project
     stop_servers(project)
 
