@@ -7,13 +7,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 
 import yaml
 
 from tests.conftest import ROOT, SMALL
+from tests.hosts import wait_until
 
 FRESH_PATH = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if not p.startswith(str(ROOT)))
 
@@ -63,16 +63,17 @@ def serve_until_it_answers(script: str, cwd: Path, port: int, timeout: float = 9
     url = f"http://127.0.0.1:{port}/health"
     server = subprocess.Popen(["bash", "-c", script], cwd=cwd, env=fresh_env(cwd), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    deadline = time.monotonic() + timeout
+
+    def answers() -> bool:
+        assert server.poll() is None, f"{script}: ended by itself ({server.returncode}):\n{server.stdout.read()}"
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return True
+        except OSError:
+            return False
+
     try:
-        while True:
-            assert server.poll() is None, f"{script}: ended by itself ({server.returncode}):\n{server.stdout.read()}"
-            try:
-                urllib.request.urlopen(url, timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, f"{script}: {url} did not answer within {timeout} s"
-                time.sleep(0.3)
+        wait_until(answers, f"{script}: {url} answering", timeout=timeout, interval=0.3)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
