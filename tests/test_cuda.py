@@ -13,7 +13,7 @@ from pipeline.breakdown import Probe, StepClock
 from pipeline.loop import peak_memory_mb
 from pipeline.model import build_model
 from pipeline.precision import AutocastForward, autocast_dtype
-from tests.conftest import (SMALL, load_weights, make_project, max_abs_diff, project_env, relative_difference, run,
+from tests.conftest import (SMALL, load_weights, make_project, max_abs_diff, prepare, project_env, relative_difference, run,
                             train_cli, write_params)
 from tests.tolerances import BF16_ACCURACY_TOLERANCE, FP32_RELATIVE_TOLERANCE
 
@@ -27,7 +27,7 @@ def gpu_project(tmp_path_factory, mnist_dir):
     modes must agree to rounding; bf16 has a check of its own."""
     project = make_project(tmp_path_factory.mktemp("gpu") / "proj",
                            {**SMALL, "train": {**SMALL["train"], "batch_size": 100, "nproc": 0, "bf16": False}})
-    run(["mnist-pipeline", "prepare"], project, **project_env(project, MNIST_SOURCE=str(mnist_dir)))
+    prepare(project, mnist_dir)
     return project
 
 

@@ -71,24 +71,37 @@ def test_a_baseline_slowed_on_purpose_is_caught_in_every_view(repro, tmp_path):
                             env=subprocess_env(**{**env, "PYTHONPATH": str(project), "MNIST_PIPELINE_WARM": "0"}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
-    def starve():  # from the first epoch's checkpoint (the last epoch's steps are the measured ones)
+    lines: list[str] = []
+    last_epoch_done = threading.Event()
+
+    def read():  # the output as it comes: the last epoch's line ends the starving
+        for line in proc.stdout:
+            lines.append(line)
+            if "single epoch 2/2:" in line:
+                last_epoch_done.set()
+
+    def starve():  # the whole last epoch (its steps are the measured ones): from the first's checkpoint
         while proc.poll() is None and (not checkpoint.exists() or checkpoint.stat().st_mtime_ns == before):
             time.sleep(0.005)
-        until = time.monotonic() + 3
-        while proc.poll() is None and time.monotonic() < until:
+        while proc.poll() is None and not last_epoch_done.is_set():
             os.killpg(proc.pid, signal.SIGSTOP)
             time.sleep(0.02)
             os.killpg(proc.pid, signal.SIGCONT)
             time.sleep(0.002)
 
-    starver = threading.Thread(target=starve)
-    starver.start()
+    threads = [threading.Thread(target=read), threading.Thread(target=starve)]
+    for thread in threads:
+        thread.start()
     try:
-        output, _ = proc.communicate(timeout=600)
-        starver.join()
+        proc.wait(timeout=600)
+        for thread in threads:
+            thread.join()
     finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         hog.kill()
         hog.wait()
+    output = "".join(lines)
     assert proc.returncode == 0, output
     compare = run(["mnist-pipeline", "compare"], project, **{**env, "PYTHONPATH": str(project)})
 

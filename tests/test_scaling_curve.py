@@ -7,7 +7,7 @@ import re
 import pytest
 
 from pipeline import scaling, scaling_curve
-from tests.conftest import SMALL, make_project, project_env, run, write_params
+from tests.conftest import SMALL, make_project, prepare, project_env, run, write_params
 
 
 def breakdown(ranks: int, step: float, device: str = "cpu", compute: float = 0.010) -> dict:
@@ -52,7 +52,7 @@ def test_on_gpus_each_rank_adds_a_device_up_to_the_devices():
 def project(tmp_path_factory, mnist_dir):
     project = make_project(tmp_path_factory.mktemp("scaling") / "proj", SMALL)
     env = project_env(project, MNIST_SOURCE=str(mnist_dir))
-    run(["mnist-pipeline", "prepare"], project, **env)
+    prepare(project, mnist_dir)
     run(["mnist-pipeline", "commcheck"], project, **env)
     return project, env
 
