@@ -1,0 +1,94 @@
+"""Where a test run's CPU goes: the CPU seconds of every process that ends during a command, by
+process name, from BSD process accounting, in units of one bare `python -c "import torch"`.
+
+The suite is CPU-bound on 2 cores (docs/testing.md), so its wall time follows the CPU its processes
+use; this says whose. With `--against VAR=VALUE` it runs the command twice, as given and with that
+environment variable set, one after the other in the same hour, and prints both and their ratio:
+whether a change to how the tests start processes (MNIST_PIPELINE_WARM=1, say) saves CPU.
+
+Accounting is kernel-wide: another user's processes that end meanwhile count too (run it on a
+quiet machine), and a process still running at the end (a server left behind) does not. A process
+is filed under its name when it ended: a command whose last thread was jemalloc's background
+thread shows as `jemalloc_bg_thd`. Needs root and the `acct` package (`apt-get install acct`).
+
+    .venv/bin/python benchmarks/suite_cpu.py [--against VAR=VALUE] -- pytest -n 2 tests/test_tracking.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_overhead import torch_unit  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")  # acct v3 records user and system time in clock ticks
+SHOWN = 8  # process names per run, the most CPU first
+
+
+def accounted(command: list[str], env: dict[str, str]) -> tuple[float, int, dict[str, tuple[int, float]]]:
+    """(wall seconds, exit code, {process name: (processes, CPU seconds)}) of one run of `command`."""
+    with tempfile.TemporaryDirectory(prefix="suite-cpu-") as tmp:
+        log = Path(tmp) / "acct"
+        log.touch()
+        subprocess.run(["accton", str(log)], check=True, stdout=subprocess.DEVNULL)
+        try:
+            started = time.monotonic()
+            code = subprocess.run(command, cwd=ROOT, env=env).returncode
+            wall = time.monotonic() - started
+        finally:
+            subprocess.run(["accton", "off"], check=True, stdout=subprocess.DEVNULL)
+        # One line a process: "name|v3|user ticks|system ticks|elapsed ticks|uid|...".
+        out = subprocess.run(["dump-acct", str(log)], check=True, capture_output=True, text=True).stdout
+    by_name: dict[str, tuple[int, float]] = {}
+    for line in out.splitlines():
+        name, _, user, system, *_ = (field.strip() for field in line.split("|"))
+        count, cpu = by_name.get(name, (0, 0.0))
+        by_name[name] = (count + 1, cpu + (float(user) + float(system)) * TICK_S)
+    return wall, code, by_name
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", metavar="VAR=VALUE", help="also run the command with this variable set")
+    parser.add_argument("command", nargs="+", help="the command to account for (after --)")
+    args = parser.parse_args()
+    missing = [tool for tool in ("accton", "dump-acct") if shutil.which(tool) is None]
+    if missing or os.geteuid() != 0:
+        sys.exit(f"suite_cpu: needs root and the acct package ({', '.join(missing) or 'not root'}): "
+                 "apt-get install acct, then run it as root")
+    if args.against and "=" not in args.against:
+        sys.exit(f"suite_cpu: --against {args.against}: give VAR=VALUE")
+    variants = [("as given", dict(os.environ))]
+    if args.against:
+        name, value = args.against.split("=", 1)
+        variants.append((args.against, {**os.environ, name: value}))
+    units = [torch_unit(1) for _ in range(3)]
+    runs = [(label, *accounted(args.command, env)) for label, env in variants]
+    units += [torch_unit(1) for _ in range(3)]
+    unit = statistics.median(units)
+
+    totals = []
+    for label, wall, code, by_name in runs:
+        total = sum(cpu for _, cpu in by_name.values())
+        totals.append(total)
+        print(f"\n{label}: {wall:.0f} s wall, exit code {code}; CPU {total:.0f} s = {total / unit:.0f} units")
+        print(f"{'process':<24} {'count':>6} {'CPU s':>8} {'share':>6}")
+        for name, (count, cpu) in sorted(by_name.items(), key=lambda item: -item[1][1])[:SHOWN]:
+            print(f"{name:<24} {count:6d} {cpu:8.0f} {cpu / total:6.0%}")
+    if len(totals) == 2:
+        print(f"\nCPU with {args.against} / as given: {totals[1] / totals[0]:.2f}")
+    print(f"unit: a bare `import torch`, median of 6 (3 before, 3 after): {unit:.2f} s")
+    return max(code for _, _, code, _ in runs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
