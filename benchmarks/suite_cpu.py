@@ -9,7 +9,11 @@ whether a change to how the tests start processes (MNIST_PIPELINE_WARM=1, say) s
 Accounting is kernel-wide: another user's processes that end meanwhile count too (run it on a
 quiet machine), and a process still running at the end (a server left behind) does not. A process
 is filed under its name when it ended: a command whose last thread was jemalloc's background
-thread shows as `jemalloc_bg_thd`. Needs root and the `acct` package (`apt-get install acct`).
+thread shows as `jemalloc_bg_thd`. It goes on counting `--settle` seconds after the command, for
+the warm servers that outlive it. CPU seconds are divided by the unit (a wall time) to read on the
+same scale as benchmarks/suite_time.py, on a slow day as on a fast one. Needs root and the `acct`
+package (`apt-get install acct`); it turns accounting off when done, so a system that keeps its own
+(Debian's acct.service) must start it again.
 
     .venv/bin/python benchmarks/suite_cpu.py [--against VAR=VALUE] -- pytest -n 2 tests/test_tracking.py
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -32,10 +37,14 @@ from pipeline_overhead import torch_unit  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")  # acct v3 records user and system time in clock ticks
 SHOWN = 8  # process names per run, the most CPU first
+# A warm server ends 5 s after the processes it served (pipeline/runtime/warm_server.py LINGER_S).
+SETTLE_S = 10.0
 
 
-def accounted(command: list[str], env: dict[str, str]) -> tuple[float, int, dict[str, tuple[int, float]]]:
-    """(wall seconds, exit code, {process name: (processes, CPU seconds)}) of one run of `command`."""
+def accounted(command: list[str], env: dict[str, str], settle_s: float
+              ) -> tuple[float, int, dict[str, tuple[int, float]]]:
+    """(wall seconds, exit code, {process name: (processes, CPU seconds)}) of one run of `command`,
+    and of the processes it left that end within `settle_s` after it."""
     with tempfile.TemporaryDirectory(prefix="suite-cpu-") as tmp:
         log = Path(tmp) / "acct"
         log.touch()
@@ -44,13 +53,16 @@ def accounted(command: list[str], env: dict[str, str]) -> tuple[float, int, dict
             started = time.monotonic()
             code = subprocess.run(command, cwd=ROOT, env=env).returncode
             wall = time.monotonic() - started
+            time.sleep(settle_s)  # a process is written down when it ends: the warm servers' linger
         finally:
             subprocess.run(["accton", "off"], check=True, stdout=subprocess.DEVNULL)
-        # One line a process: "name|v3|user ticks|system ticks|elapsed ticks|uid|...".
-        out = subprocess.run(["dump-acct", str(log)], check=True, capture_output=True, text=True).stdout
+        # One line a process: "name|v3|user ticks|system ticks|elapsed ticks|uid|..." (15 fields;
+        # only the name, first, may hold a "|").
+        out = subprocess.run(["dump-acct", str(log)], check=True, capture_output=True, text=True,
+                             errors="replace").stdout
     by_name: dict[str, tuple[int, float]] = {}
     for line in out.splitlines():
-        name, _, user, system, *_ = (field.strip() for field in line.split("|"))
+        name, _, user, system, *_ = (field.strip() for field in line.rsplit("|", 14))
         count, cpu = by_name.get(name, (0, 0.0))
         by_name[name] = (count + 1, cpu + (float(user) + float(system)) * TICK_S)
     return wall, code, by_name
@@ -59,6 +71,9 @@ def accounted(command: list[str], env: dict[str, str]) -> tuple[float, int, dict
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", metavar="VAR=VALUE", help="also run the command with this variable set")
+    parser.add_argument("--settle", type=float, default=SETTLE_S, metavar="S",
+                        help=f"seconds to go on counting after the command, for what it left running "
+                             f"(default {SETTLE_S:.0f})")
     parser.add_argument("command", nargs="+", help="the command to account for (after --)")
     args = parser.parse_args()
     missing = [tool for tool in ("accton", "dump-acct") if shutil.which(tool) is None]
@@ -71,8 +86,11 @@ def main() -> int:
     if args.against:
         name, value = args.against.split("=", 1)
         variants.append((args.against, {**os.environ, name: value}))
+    # A kill or hang-up of this script must still turn accounting off (the `finally` above).
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda signum, _: sys.exit(128 + signum))
     units = [torch_unit(1) for _ in range(3)]
-    runs = [(label, *accounted(args.command, env)) for label, env in variants]
+    runs = [(label, *accounted(args.command, env, args.settle)) for label, env in variants]
     units += [torch_unit(1) for _ in range(3)]
     unit = statistics.median(units)
 
@@ -83,11 +101,11 @@ def main() -> int:
         print(f"\n{label}: {wall:.0f} s wall, exit code {code}; CPU {total:.0f} s = {total / unit:.0f} units")
         print(f"{'process':<24} {'count':>6} {'CPU s':>8} {'share':>6}")
         for name, (count, cpu) in sorted(by_name.items(), key=lambda item: -item[1][1])[:SHOWN]:
-            print(f"{name:<24} {count:6d} {cpu:8.0f} {cpu / total:6.0%}")
+            print(f"{name:<24} {count:6d} {cpu:8.0f} {cpu / max(total, 1e-9):6.0%}")
     if len(totals) == 2:
-        print(f"\nCPU with {args.against} / as given: {totals[1] / totals[0]:.2f}")
+        print(f"\nCPU with {args.against} / as given: {totals[1] / max(totals[0], 1e-9):.2f}")
     print(f"unit: a bare `import torch`, median of 6 (3 before, 3 after): {unit:.2f} s")
-    return max(code for _, _, code, _ in runs)
+    return next((code for _, _, code, _ in runs if code != 0), 0)
 
 
 if __name__ == "__main__":

@@ -457,7 +457,7 @@ def test_a_training_stopped_while_its_job_runs_cancels_the_job(hosts, slurm, mni
                                                "train": {**SMALL["train"], "launcher": "slurm", "nodes": 1,
                                                          "nproc": 1, "cpus_per_rank": 1, "epochs": 60}})
     env = {**slurm, **project_env(project, MNIST_SOURCE=str(mnist_dir))}
-    prepare(project, mnist_dir)  # on this host: the hosts share the disk
+    prepare(project, mnist_dir)  # by pytest's process: the emulated hosts share its disk
     proc = hosts[0].popen(["mnist-pipeline", "train", "--mode", "single"], cwd=project, env=env,
                           log=tmp_path / "train.log")
 
@@ -526,7 +526,7 @@ def test_a_gpu_training_asks_slurm_for_its_gpus_and_fails_clearly_where_none_is_
                                                "train": {**SMALL["train"], "launcher": "slurm", "nodes": 1,
                                                          "nproc": 1, "device": "cuda", "cpus_per_rank": 2}})
     env = {**slurm, **project_env(project, MNIST_SOURCE=str(mnist_dir))}
-    prepare(project, mnist_dir)  # on this host: the hosts share the disk
+    prepare(project, mnist_dir)  # by pytest's process: the emulated hosts share its disk
     proc = hosts[0].run(["mnist-pipeline", "train", "--mode", "ddp"], cwd=project, env=env,
                         timeout=TWO_NODE_TIMEOUT_S)
     (job_log,) = sorted((project / "models/ddp/logs").glob("slurm-*.out"))
