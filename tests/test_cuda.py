@@ -13,8 +13,8 @@ from pipeline.breakdown import Probe, StepClock
 from pipeline.loop import peak_memory_mb
 from pipeline.model import build_model
 from pipeline.precision import AutocastForward, autocast_dtype
-from tests.conftest import (SMALL, load_weights, make_project, max_abs_diff, prepare, project_env, relative_difference, run,
-                            train_cli, write_params)
+from tests.conftest import (SMALL, load_weights, make_project, max_abs_diff, prepare, project_env, relative_difference,
+                            run, train_cli, write_params)
 from tests.tolerances import BF16_ACCURACY_TOLERANCE, FP32_RELATIVE_TOLERANCE
 
 pytestmark = [pytest.mark.cuda,
