@@ -384,39 +384,6 @@ def slurm(hosts):
         shutil.rmtree(home, ignore_errors=True)
 
 
-def test_dvc_repro_submits_ddp_to_slurm_and_waits(hosts, slurm, tracking_server, uninterrupted, mnist_dir,
-                                                  tmp_path):
-    """The login node (node-a) runs `dvc repro`; with train.launcher: slurm the ddp stage submits
-    deploy/slurm/train.sbatch with `sbatch --wait` over both hosts, in this shared directory, and
-    so does commcheck before it."""
-    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "launcher": "slurm",
-                                                                  "nodes": 2, "nproc": 1, "cpus_per_rank": 1}})
-    env = {**slurm, **project_env(project, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=tracking_server,
-                                  MNIST_SOURCE=str(mnist_dir), **CREDENTIALS)}
-    proc = hosts[0].run(["dvc", "repro", "train@ddp"], cwd=project, env=env, timeout=TWO_NODE_TIMEOUT_S)
-    logs = sorted((project / "models/ddp/logs").glob("slurm-*.out"))
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}\n" + "".join(p.read_text() for p in logs)
-    assert "submitting to Slurm (2 node(s))" in proc.stdout and "finished" in proc.stdout
-    (job_log,) = logs
-    assert "2 node(s) x 1 worker(s), rendezvous node-a" in job_log.read_text()
-    # train.device: auto asks for no GPU; train.cpus_per_rank for each worker
-    assert "GPUs per node: none asked for, CPUs per node: 1" in job_log.read_text()
-
-    summary = json.loads((project / "results/train/ddp.json").read_text())
-    assert (summary["nodes"], summary["procs_per_node"]) == (2, 1)
-    # commcheck went the same way: it checked the link between the hosts that training then used.
-    verdict = json.loads((project / "checks/comm.json").read_text())
-    assert verdict["passed"] and verdict["world_size"] == 2 and len(list((project / "checks/logs").iterdir())) == 1
-    # The same global batches as the two hand-started agents: the same weights, bit for bit.
-    assert max_abs_diff(load_weights(rank0_dir(uninterrupted[0]), "ddp"), load_weights(project, "ddp")) == 0.0
-    runs = server_runs(hosts[0], tracking_server)
-    parent_id = json.loads((project / "models/ddp/mlflow_run.json").read_text())["parent"]
-    (parent,) = [r for r in runs if r["id"] == parent_id]
-    children = [r for r in runs if r["tags"].get(PARENT) == parent_id]
-    assert parent["status"] == "FINISHED" and [c["status"] for c in children] == ["FINISHED"] * 2
-    assert {c["tags"]["host"] for c in children} == {"node-a", "node-b"}
-
-
 def test_with_slurm_single_dp_and_evaluate_run_in_jobs_too(hosts, slurm, tracking_server, mnist_dir, tmp_path):
     """train.launcher: slurm sends every stage that uses the device to the cluster, not only DDP, so
     that the speed-ups compare one kind of node: single and dp train in one-process jobs, and
@@ -483,19 +450,22 @@ def test_a_training_stopped_while_its_job_runs_cancels_the_job(hosts, slurm, mni
     assert not (project / "models/single/model.pt").exists()
 
 
-def test_an_interrupted_slurm_training_continues_on_the_next_repro(hosts, slurm, tracking_server, uninterrupted,
-                                                                   mnist_dir, tmp_path):
-    """The job dies after epoch 1 with no restart left in it, so sbatch and the stage fail. The
-    next `dvc repro` submits a new job that continues: epoch 2 only, in the same MLflow runs, to
-    the weights of a training never interrupted. (No commcheck: the test above sends it to Slurm.)"""
-    project = make_project(tmp_path / "proj", {**SMALL, "commcheck": {"enabled": False},
-                                               "train": {**SMALL["train"], "launcher": "slurm",
-                                                         "nodes": 2, "nproc": 1, "cpus_per_rank": 1}})
+def test_dvc_repro_submits_ddp_to_slurm_and_an_interrupted_job_continues_on_the_next_repro(
+        hosts, slurm, tracking_server, uninterrupted, mnist_dir, tmp_path):
+    """The login node (node-a) runs `dvc repro`; with train.launcher: slurm the ddp stage submits
+    deploy/slurm/train.sbatch with `sbatch --wait` over both hosts, in this shared directory, and
+    so does commcheck before it. The first job dies after epoch 1 with no restart left in it, so
+    sbatch and the stage fail. The next `dvc repro` submits a new job that continues: epoch 2 only,
+    in the same MLflow runs, to the weights of a training never interrupted. (One test, not two:
+    each `dvc repro` over Slurm costs a minute, and the continued training is the one that waited.)"""
+    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "launcher": "slurm",
+                                                                  "nodes": 2, "nproc": 1, "cpus_per_rank": 1}})
     env = {**slurm, **project_env(project, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=tracking_server,
                                   MNIST_SOURCE=str(mnist_dir), **CREDENTIALS)}
     crashed = hosts[0].run(["dvc", "repro", "train@ddp"], cwd=project, timeout=TWO_NODE_TIMEOUT_S,
                            env={**env, "MNIST_PIPELINE_CRASH_AFTER_EPOCH": "1", "MAX_RESTARTS": "0"})
     assert crashed.returncode != 0 and "Slurm job" in crashed.stderr, crashed.stderr[-3000:]
+    assert crashed.stdout.count("submitting to Slurm (2 node(s))") == 2, crashed.stdout[-3000:]  # commcheck, ddp
     assert (project / "models/ddp/unfinished.json").is_file()
     first = json.loads((project / "models/ddp/mlflow_run.json").read_text())
 
@@ -503,11 +473,22 @@ def test_an_interrupted_slurm_training_continues_on_the_next_repro(hosts, slurm,
     logs = sorted((project / "models/ddp/logs").glob("slurm-*.out"), key=lambda p: int(p.stem.split("-")[1]))
     output = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, output[-3000:] + "".join(p.read_text()[-3000:] for p in logs)
+    assert "submitting to Slurm (2 node(s))" in resumed.stdout and "finished" in resumed.stdout
     assert "ddp: continuing the training interrupted in models/ddp" in output, output[-3000:]
     crashed_job, resumed_job = (p.read_text() for p in logs)
     assert "ddp epoch 1/2" in crashed_job and "crashing after epoch 1" in crashed_job
     assert "ddp epoch 1/2" not in resumed_job and "ddp epoch 2/2" in resumed_job, resumed_job[-3000:]
+    assert "2 node(s) x 1 worker(s), rendezvous node-a" in resumed_job
+    # train.device: auto asks for no GPU; train.cpus_per_rank for each worker
+    assert "GPUs per node: none asked for, CPUs per node: 1" in resumed_job
     assert not (project / "models/ddp/unfinished.json").exists()
+    summary = json.loads((project / "results/train/ddp.json").read_text())
+    assert (summary["nodes"], summary["procs_per_node"]) == (2, 1)
+    # commcheck went the same way, on each repro: it checked the link between the hosts that
+    # training then used.
+    verdict = json.loads((project / "checks/comm.json").read_text())
+    assert verdict["passed"] and verdict["world_size"] == 2 and len(list((project / "checks/logs").iterdir())) == 2
+    # The same global batches as the two hand-started agents: the same weights, bit for bit.
     assert max_abs_diff(load_weights(rank0_dir(uninterrupted[0]), "ddp"), load_weights(project, "ddp")) == 0.0
 
     assert json.loads((project / "models/ddp/mlflow_run.json").read_text()) == first  # the same runs, continued
@@ -515,6 +496,7 @@ def test_an_interrupted_slurm_training_continues_on_the_next_repro(hosts, slurm,
     (parent,) = [r for r in runs if r["id"] == first["parent"]]
     children = [r for r in runs if r["tags"].get(PARENT) == first["parent"]]
     assert parent["status"] == "FINISHED" and [c["status"] for c in children] == ["FINISHED"] * 2
+    assert {c["tags"]["host"] for c in children} == {"node-a", "node-b"}
 
 
 def test_a_gpu_training_asks_slurm_for_its_gpus_and_fails_clearly_where_none_is_visible(hosts, slurm, mnist_dir,
