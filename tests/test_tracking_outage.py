@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import subprocess
 import threading
 import time
@@ -14,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import mlflow
+import pytest
 import torch
 from mlflow import MlflowClient
 
@@ -137,13 +139,32 @@ def test_training_never_waits_and_everything_arrives_when_the_server_is_back(tmp
     assert not (project / "models/single/tracking-outbox").exists()  # all sent: nothing kept in the outputs
 
 
-def test_a_server_that_never_comes_back_fails_the_stage_clearly_and_send_runs_completes_the_runs(tmp_path, mnist_dir):
-    project, server, training = server_killed_after_epoch_1(tmp_path, mnist_dir, outage_wait_s=3)
+@pytest.fixture(scope="module")
+def failed_at_its_end(tmp_path_factory, mnist_dir):
+    """A training whose server died after epoch 1 and never came back within
+    tracking.outage_wait_s = 3 s: its outputs saved, its stage failed. The two tests after it go
+    on from copies of it (the project and the server's store), each its own way."""
+    home = tmp_path_factory.mktemp("outage")
+    project, server, training = server_killed_after_epoch_1(home, mnist_dir, outage_wait_s=3)
     try:
         output = training.finish()
     finally:
         training.proc.kill()
-    assert training.proc.returncode == 1, output
+    return home, output, training.proc.returncode
+
+
+def copy_of(failed_at_its_end, tmp_path: Path) -> tuple[Path, Server, str, int]:
+    """The failed training's project and the server's store, copied: a server of its own on them."""
+    home, output, returncode = failed_at_its_end
+    for name in ("proj", "server"):
+        shutil.copytree(home / name, tmp_path / name, symlinks=True)
+    return tmp_path / "proj", Server(tmp_path / "server"), output, returncode
+
+
+def test_a_server_that_never_comes_back_fails_the_stage_clearly_and_send_runs_completes_the_runs(
+        failed_at_its_end, tmp_path):
+    project, server, output, returncode = copy_of(failed_at_its_end, tmp_path)
+    assert returncode == 1, output
     assert "did not take this training's tracking within tracking.outage_wait_s = 3 s" in output
     assert "`mnist-pipeline send-runs --mode single`" in output and "Traceback" not in output
     assert (project / "models/single/model.pt").is_file()  # training's outputs are saved
@@ -151,10 +172,11 @@ def test_a_server_that_never_comes_back_fails_the_stage_clearly_and_send_runs_co
     # the model twice; send-runs removes it (below), so that `dvc commit` caches no record
     parent = json.loads((project / "models/single/mlflow_run.json").read_text())["parent"]
     assert json.loads((project / "models/single/unfinished.json").read_text())["outputs_complete"] == parent
-    store = MlflowClient(f"sqlite:///{tmp_path / 'server/server.db'}")  # the server's own file, read while it is down
+    store = MlflowClient(f"sqlite:///{tmp_path / 'server/server.db'}")  # its own file, read while no server runs
     assert store.get_run(parent).info.status == "RUNNING"
 
-    # Sent where the user's settings say now (the same server here), never where a file says.
+    # Sent where the user's settings say now (the copied store, at another address than the outbox
+    # names), never where a file says.
     env = project_env(project, MLFLOW_TRACKING_URI=server.uri)
     still_down = run(["mnist-pipeline", "send-runs", "--mode", "single"], project, check=False, **env)
     assert still_down.returncode == 1 and "does not answer" in still_down.stderr
@@ -172,16 +194,12 @@ def test_a_server_that_never_comes_back_fails_the_stage_clearly_and_send_runs_co
 
 
 def test_a_repro_after_an_end_that_failed_writes_the_outputs_again_without_training_or_logging_twice(
-        tmp_path, mnist_dir):
+        failed_at_its_end, tmp_path):
     """`dvc repro` instead of send-runs after the stage failed at its end: DVC deletes the stage's
     outputs but models/ first, so the training goes on from its last checkpoint. No step trains,
     the files are written again, the kept calls go, and the run gets its model once."""
-    project, server, training = server_killed_after_epoch_1(tmp_path, mnist_dir, outage_wait_s=3)
-    try:
-        training.finish()
-    finally:
-        training.proc.kill()
-    assert training.proc.returncode == 1
+    project, server, output, returncode = copy_of(failed_at_its_end, tmp_path)
+    assert returncode == 1, output
     results = project / "results/train/single.json"
     results.unlink()  # as `dvc repro` does before it runs the stage again (not persist)
     # Time for the model to go this time; how long to wait is no setting the outputs depend on.
