@@ -78,11 +78,15 @@ def test_a_run_the_store_does_not_hold_is_refused_before_anything_is_made(tmp_pa
 
 @pytest.mark.parametrize("mode", ["single", "dp", "ddp"])
 def test_each_mode_is_remade_bit_for_bit(trained, mode):
+    """Each named by its run's id, and single by the mode's name, which names the workspace's last
+    training of it (one reproduction holds both: each is a training)."""
     original = parent_of(trained, mode)
     before = workspace_state(trained)
-    proc = reproduce(trained, original)
+    proc = reproduce(trained, mode if mode == "single" else original)
     assert proc.returncode == 0, verdict(proc)
     assert verdict(proc).startswith("reproduce: reproduced bit for bit"), verdict(proc)
+    if mode == "single":
+        assert f"as run {original} did" in proc.stdout
     assert workspace_state(trained) == before  # outputs, models/, the checkout: as they were
     client = client_of(trained)
     tags = client.get_run(original).data.tags
@@ -95,12 +99,6 @@ def test_each_mode_is_remade_bit_for_bit(trained, mode):
     if mode == "ddp":  # through its launcher: a run per rank again
         ranks = client.search_runs([remade.info.experiment_id], f"tags.mlflow.parentRunId = '{remade.info.run_id}'")
         assert sorted(r.info.run_name for r in ranks) == ["ddp/rank-0", "ddp/rank-1"]
-
-
-def test_a_mode_names_the_workspaces_last_training_of_it(trained):
-    proc = reproduce(trained, "single")
-    assert proc.returncode == 0, verdict(proc)
-    assert f"as run {parent_of(trained, 'single')} did" in proc.stdout
 
 
 def test_a_run_from_a_dirty_tree_is_remade_from_its_patch(tmp_path, mnist_dir):
