@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlflow
 import pytest
 import yaml
 from mlflow import MlflowClient
@@ -102,8 +103,11 @@ def test_each_mode_is_remade_bit_for_bit(trained, mode):
 
 
 def test_a_run_from_a_dirty_tree_is_remade_from_its_patch(tmp_path, mnist_dir):
-    """The uncommitted change decides the weights (a narrower layer): without the patch, the
-    reproduction could not match."""
+    """The uncommitted change of tracked files goes with the parent run, exactly as `git apply`
+    would re-make it, and the code digest is the dirty tree's. The change decides the weights (a
+    narrower layer): without the patch, the reproduction could not match."""
+    from tests.test_tracking import check_record, runs_of
+
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 1}})
     prepare(project, mnist_dir)
     commit_notes(project)
@@ -113,6 +117,14 @@ def test_a_run_from_a_dirty_tree_is_remade_from_its_patch(tmp_path, mnist_dir):
                      .replace("nn.Linear(128, 10),\n    )\n\n\ndef classic", "nn.Linear(64, 10),\n    )\n\n\ndef classic"))
     train_cli(project, "single")
     original = parent_of(project, "single")
+    parent, children = runs_of(client_of(project), project, "single")
+    assert parent.data.tags["git_dirty"] == "true" and parent.data.tags["git_patch"] == record.PATCH_ARTIFACT
+    logged = Path(mlflow.artifacts.download_artifacts(run_id=original, artifact_path=record.PATCH_ARTIFACT,
+                                                      tracking_uri=f"sqlite:///{project / 'mlflow.db'}"))
+    expected = subprocess.run(["git", "diff", "HEAD", "--binary"], cwd=project, capture_output=True, check=True).stdout
+    assert logged.read_bytes() == expected  # bytes: latin-1 and CRLF as they are
+    assert b"nn.Linear(64, 10)" in expected and "Grüße".encode("latin-1") in expected and b"\r\n" in expected
+    check_record(parent, children, project, "single")
     run(["git", "checkout", "--", "pipeline/model.py"], project)  # the workspace moves on
     proc = reproduce(project, original)
     assert proc.returncode == 0, verdict(proc)

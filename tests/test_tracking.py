@@ -16,8 +16,8 @@ from mlflow import MlflowClient
 from pipeline import record
 from pipeline.model import build_model
 from pipeline.tracking.model import load_model
-from tests.conftest import (SMALL, commit_notes, edit_notes, first_epoch_run, free_port, make_project, prepare,
-                            project_env, run, subprocess_env, train_cli)
+from tests.conftest import (SMALL, first_epoch_run, free_port, make_project, prepare, project_env, run,
+                            subprocess_env)
 
 PARENT_METRICS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
 CHILD_METRICS = ("loss", "samples_per_s", "data_time_s", "forward_time_s", "backward_time_s", "optimizer_time_s",
@@ -108,26 +108,6 @@ def test_ddp_four_ranks_against_a_real_server(tmp_path, mnist_dir, mlflow_server
     batch = torch.randn(16, 1, 28, 28)
     with torch.no_grad():
         assert torch.equal(logged.eval()(batch), local.eval()(batch))
-
-
-def test_a_run_from_a_dirty_tree_keeps_its_change(tmp_path, mnist_dir):
-    """The uncommitted change of tracked files goes with the parent run, exactly as `git apply`
-    would re-make it; the code digest is the dirty tree's."""
-    project = project_with(tmp_path, mnist_dir, "dirty")
-    commit_notes(project)
-    with (project / "stages" / "compare.py").open("a") as handle:
-        handle.write("# an edit not yet committed\n")
-    edit_notes(project)
-    train_cli(project, "single")
-    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
-    parent, children = runs_of(client, project, "single")
-    assert parent.data.tags["git_dirty"] == "true" and parent.data.tags["git_patch"] == record.PATCH_ARTIFACT
-    logged = Path(mlflow.artifacts.download_artifacts(run_id=parent.info.run_id, artifact_path=record.PATCH_ARTIFACT,
-                                                      tracking_uri=f"sqlite:///{project / 'mlflow.db'}"))
-    expected = subprocess.run(["git", "diff", "HEAD", "--binary"], cwd=project, capture_output=True, check=True).stdout
-    assert logged.read_bytes() == expected  # bytes: latin-1 and CRLF as they are
-    assert b"an edit not yet committed" in expected and "Grüße".encode("latin-1") in expected and b"\r\n" in expected
-    check_record(parent, children, project, "single")
 
 
 @pytest.fixture(scope="module")
