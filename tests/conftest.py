@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -72,23 +74,32 @@ def pytest_runtest_protocol(item, nextitem):
     (`make test` runs them after the others, in one process; this holds them in `make test-fast`
     and a `pytest -n` run, where a worker waits out the other's test.)"""
     factory = getattr(item.config, "_tmp_path_factory", None)
-    if factory is None or not hasattr(item.config, "workerinput"):  # not an xdist worker
-        return (yield)
-    import fcntl
-    import time
-
-    lock = factory.getbasetemp().parent / "alone.lock"  # the run's folder, one for all its workers
-    with lock.open("a") as handle:
+    worker = getattr(item.config, "workerinput", {}).get("workerid")
+    with contextlib.ExitStack() as stack:
         asked = time.time()
-        fcntl.flock(handle, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
-        got = time.time()
+        if factory is not None and worker is not None:
+            import fcntl
+
+            lock = factory.getbasetemp().parent / "alone.lock"  # the run's folder, one for all its workers
+            handle = stack.enter_context(lock.open("a"))
+            fcntl.flock(handle, fcntl.LOCK_EX if item.get_closest_marker("alone") else fcntl.LOCK_SH)
+        got, cpu = time.time(), cpu_seconds()
         try:
             return (yield)
         finally:
             if timeline := os.environ.get("MNP_TEST_TIMELINE"):  # where a run's time goes: docs/testing.md
                 with open(timeline, "a") as out:
-                    out.write(f"{item.config.workerinput['workerid']} {asked:.2f} {got:.2f} {time.time():.2f} "
-                              f"{item.nodeid}\n")
+                    out.write(f"{worker or 'main'} {asked:.2f} {got:.2f} {time.time():.2f} "
+                              f"{cpu_seconds() - cpu:.1f} {item.nodeid}\n")
+
+
+def cpu_seconds() -> float:
+    """This process's CPU seconds and those of the processes it started that have ended and were
+    waited for (theirs too, where they waited): what a test cost, servers it killed included."""
+    import resource
+
+    return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
 
 
 @pytest.fixture(scope="session")
@@ -246,7 +257,6 @@ def start_mlflow_server(home: Path, *args: str):
     """A real `mlflow server` on 127.0.0.1 with its own SQLite store and artifact folder in `home`
     (and `args` on its command line): its process, its URI and its log, once it answers (if only
     to refuse)."""
-    import time
     import urllib.error
     import urllib.request
 
@@ -327,9 +337,6 @@ def first_epoch_run(project: Path, mode: str, proc: subprocess.Popen, timeout: f
     exists, which the training writes when its runs exist: a client opening a new SQLite store makes
     its schema, and two processes making one at once break it (MLflow does not lock), as a user's
     `mlflow ui` started on a fresh store at the same moment would."""
-    import json
-    import time
-
     from mlflow import MlflowClient
 
     ids_file, client = project / "models" / mode / "mlflow_run.json", None

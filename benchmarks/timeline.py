@@ -1,0 +1,36 @@
+"""What each test file of a run cost: wall seconds and CPU seconds, from the lines MNP_TEST_TIMELINE
+makes the tests write (tests/conftest.py), the most CPU first. The suite is CPU-bound on 2 cores
+(docs/testing.md), so the CPU column says where a shorter suite must come from.
+
+    MNP_TEST_TIMELINE=/tmp/timeline make test; .venv/bin/python benchmarks/timeline.py /tmp/timeline
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("timeline", help="the file MNP_TEST_TIMELINE named")
+    parser.add_argument("--tests", action="store_true", help="a row per test, not per file")
+    args = parser.parse_args()
+    wall: dict[str, float] = defaultdict(float)
+    cpu: dict[str, float] = defaultdict(float)
+    count: dict[str, int] = defaultdict(int)
+    with open(args.timeline) as lines:
+        for line in lines:
+            _worker, _asked, got, ended, seconds, nodeid = line.split(maxsplit=5)
+            key = nodeid.strip() if args.tests else nodeid.split("::")[0]
+            wall[key] += float(ended) - float(got)
+            cpu[key] += float(seconds)
+            count[key] += 1
+    print(f"{'file' if not args.tests else 'test':<60} {'tests':>5} {'wall s':>8} {'CPU s':>8}")
+    for key in sorted(cpu, key=cpu.get, reverse=True):
+        print(f"{key[:60]:<60} {count[key]:>5} {wall[key]:>8.1f} {cpu[key]:>8.1f}")
+    print(f"{'all':<60} {sum(count.values()):>5} {sum(wall.values()):>8.1f} {sum(cpu.values()):>8.1f}")
+
+
+if __name__ == "__main__":
+    main()
