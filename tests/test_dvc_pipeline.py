@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -361,6 +362,17 @@ def metric_row(dom: str, name: str) -> list[str]:
     return [value for _, value in sorted(cells, key=lambda cell: int(cell[0]))]
 
 
+def as_the_ui_shows(value: float) -> str:
+    """A metric as MLflow's pages print it (`Utils.formatMetric` in its JavaScript): 3 decimals below
+    10, 2 below 100, 1 above, rounded half up (JavaScript's Math.round)."""
+    if value == 0:
+        return "0"
+    if abs(value) < 1e-3:
+        return f"{value:.3e}"
+    decimals = 3 if abs(value) < 10 else 2 if abs(value) < 100 else 1
+    return repr(math.floor(value * 10 ** decimals + 0.5) / 10 ** decimals)
+
+
 def test_the_printed_link_opens_the_training_runs_in_a_real_browser(repro, tmp_path):
     """What a person sees: the link the compare stage prints, opened in headless Chromium on a
     real `mlflow server` over the pipeline's own store (what `make ui` starts)."""
@@ -406,7 +418,7 @@ def test_the_printed_link_opens_the_training_runs_in_a_real_browser(repro, tmp_p
         # The page renders its first 17 metric rows (alphabetical; test_accuracy is past them since
         # the step breakdown's figures came): the speed-up, which compare put on every mode run.
         shown = [float(value) for value in metric_row(compare_page, "speedup_over_single")]
-        assert sorted(shown) == sorted(round(r.data.metrics["speedup_over_single"], 3) for r in runs)
+        assert sorted(shown) == sorted(float(as_the_ui_shows(r.data.metrics["speedup_over_single"])) for r in runs)
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=30)

@@ -201,7 +201,6 @@ def test_a_run_deleted_during_training_is_said_so_and_the_way_on_works(project):
     assert "were deleted from) the tracking store" in again.stderr and "continuing" not in again.stderr
     assert "single: dropped" in again.stderr, again.stderr[-3000:]
     assert json.loads((out / "mlflow_run.json").read_text())["parent"] != parent.info.run_id
-    assert json.loads((out / "mlflow_run.json").read_text())["parent"] != parent.info.run_id
 
 
 def test_prepared_data_changed_after_prepare_is_refused_before_training(project, tmp_path):
