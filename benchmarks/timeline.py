@@ -8,6 +8,7 @@ makes the tests write (tests/conftest.py), the most CPU first. The suite is CPU-
 from __future__ import annotations
 
 import argparse
+import signal
 from collections import defaultdict
 
 
@@ -16,6 +17,7 @@ def main() -> None:
     parser.add_argument("timeline", help="the file MNP_TEST_TIMELINE named")
     parser.add_argument("--tests", action="store_true", help="a row per test, not per file")
     args = parser.parse_args()
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the table quietly
     wall: dict[str, float] = defaultdict(float)
     cpu: dict[str, float] = defaultdict(float)
     count: dict[str, int] = defaultdict(int)
