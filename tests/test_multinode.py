@@ -473,7 +473,8 @@ def test_dvc_repro_submits_ddp_to_slurm_and_an_interrupted_job_continues_on_the_
     logs = sorted((project / "models/ddp/logs").glob("slurm-*.out"), key=lambda p: int(p.stem.split("-")[1]))
     output = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, output[-3000:] + "".join(p.read_text()[-3000:] for p in logs)
-    assert "submitting to Slurm (2 node(s))" in resumed.stdout and "finished" in resumed.stdout
+    assert resumed.stdout.count("submitting to Slurm (2 node(s))") == 2, resumed.stdout[-3000:]  # commcheck, ddp
+    assert re.search(r"^train: Slurm job \d+ finished", resumed.stdout, re.M), resumed.stdout[-3000:]
     assert "ddp: continuing the training interrupted in models/ddp" in output, output[-3000:]
     crashed_job, resumed_job = (p.read_text() for p in logs)
     assert "ddp epoch 1/2" in crashed_job and "crashing after epoch 1" in crashed_job

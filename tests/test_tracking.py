@@ -5,7 +5,6 @@ import json
 import platform
 import signal
 import subprocess
-from pathlib import Path
 
 import mlflow
 import pytest
