@@ -74,7 +74,8 @@ def pytest_runtest_protocol(item, nextitem):
     (`make test` runs them after the others, in one process; this holds them in `make test-fast`
     and a `pytest -n` run, where a worker waits out the other's test.)"""
     factory = getattr(item.config, "_tmp_path_factory", None)
-    worker = getattr(item.config, "workerinput", {}).get("workerid")
+    workerinput = getattr(item.config, "workerinput", {})
+    worker = workerinput.get("workerid")
     with contextlib.ExitStack() as stack:
         asked = time.time()
         if factory is not None and worker is not None:
@@ -89,7 +90,8 @@ def pytest_runtest_protocol(item, nextitem):
         finally:
             if timeline := os.environ.get("MNP_TEST_TIMELINE"):  # where a run's time goes: docs/testing.md
                 with open(timeline, "a") as out:
-                    out.write(f"{worker or 'main'} {asked:.2f} {got:.2f} {time.time():.2f} "
+                    run = workerinput.get("testrunuid", f"pid{os.getpid()}")[:12]  # one pytest run: its workers
+                    out.write(f"{run} {worker or 'main'} {asked:.2f} {got:.2f} {time.time():.2f} "
                               f"{cpu_seconds() - cpu:.1f} {item.nodeid}\n")
 
 
@@ -98,8 +100,8 @@ def cpu_seconds() -> float:
     waited for (theirs too, where they waited): what a test cost, servers it killed included."""
     import resource
 
-    return sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
-               for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    usages = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(usage.ru_utime + usage.ru_stime for usage in usages)
 
 
 @pytest.fixture(scope="session")

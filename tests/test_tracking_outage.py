@@ -145,7 +145,7 @@ def failed_at_its_end(tmp_path_factory, mnist_dir):
     tracking.outage_wait_s = 3 s: its outputs saved, its stage failed. The two tests after it go
     on from copies of it (the project and the server's store), each its own way."""
     home = tmp_path_factory.mktemp("outage")
-    project, server, training = server_killed_after_epoch_1(home, mnist_dir, outage_wait_s=3)
+    _, _, training = server_killed_after_epoch_1(home, mnist_dir, outage_wait_s=3)
     try:
         output = training.finish()
     finally:
