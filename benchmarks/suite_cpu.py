@@ -39,12 +39,14 @@ TICK_S = 1 / os.sysconf("SC_CLK_TCK")  # acct v3 records user and system time in
 SHOWN = 8  # process names per run, the most CPU first
 # A warm server ends 5 s after the processes it served (pipeline/runtime/warm_server.py LINGER_S).
 SETTLE_S = 10.0
+FRESH_COSTLY_S = 1.0  # a fresh process that used this much CPU paid for imports (started_as)
 
 
 def accounted(command: list[str], env: dict[str, str], settle_s: float
-              ) -> tuple[float, int, dict[str, tuple[int, float]]]:
-    """(wall seconds, exit code, {process name: (processes, CPU seconds)}) of one run of `command`,
-    and of the processes it left that end within `settle_s` after it."""
+              ) -> tuple[float, int, dict[str, tuple[int, float]], dict[str, tuple[int, float]]]:
+    """(wall seconds, exit code, {process name: (processes, CPU seconds)}, {how it started:
+    (processes, CPU seconds)}) of one run of `command`, and of the processes it left that end
+    within `settle_s` after it."""
     with tempfile.TemporaryDirectory(prefix="suite-cpu-") as tmp:
         log = Path(tmp) / "acct"
         log.touch()
@@ -56,16 +58,29 @@ def accounted(command: list[str], env: dict[str, str], settle_s: float
             time.sleep(settle_s)  # a process is written down when it ends: the warm servers' linger
         finally:
             subprocess.run(["accton", "off"], check=True, stdout=subprocess.DEVNULL)
-        # One line a process: "name|v3|user ticks|system ticks|elapsed ticks|uid|..." (15 fields;
-        # only the name, first, may hold a "|").
+        # One line a process: "name|v3|user ticks|system ticks|elapsed ticks|uid|gid|memory|io|pid|
+        # ppid|flags|exit code|tty|start" (15 fields; only the name, first, may hold a "|").
         out = subprocess.run(["dump-acct", str(log)], check=True, capture_output=True, text=True,
                              errors="replace").stdout
     by_name: dict[str, tuple[int, float]] = {}
+    by_start: dict[str, tuple[int, float]] = {}
     for line in out.splitlines():
-        name, _, user, system, *_ = (field.strip() for field in line.rsplit("|", 14))
-        count, cpu = by_name.get(name, (0, 0.0))
-        by_name[name] = (count + 1, cpu + (float(user) + float(system)) * TICK_S)
-    return wall, code, by_name
+        name, _, user, system, *_, flags, _, _, _ = (field.strip() for field in line.rsplit("|", 14))
+        used = (float(user) + float(system)) * TICK_S
+        for table, key in ((by_name, name), (by_start, started_as(flags, used))):
+            count, cpu = table.get(key, (0, 0.0))
+            table[key] = (count + 1, cpu + used)
+    return wall, code, by_name, by_start
+
+
+def started_as(flags: str, cpu_s: float) -> str:
+    """How a process began, as the accounting's flags say: a fork that never called exec (F) runs
+    on what its parent had imported; any other process started a program afresh, and one that
+    used a second or more paid for its own start (a Python process: its imports, 1.5 s for torch
+    alone) besides its work."""
+    if "F" in flags:
+        return "forks (no exec)"
+    return "fresh, 1 CPU s or more" if cpu_s >= FRESH_COSTLY_S else "fresh, under 1 CPU s"
 
 
 def main() -> int:
@@ -95,17 +110,18 @@ def main() -> int:
     unit = statistics.median(units)
 
     totals = []
-    for label, wall, code, by_name in runs:
+    for label, wall, code, by_name, by_start in runs:
         total = sum(cpu for _, cpu in by_name.values())
         totals.append(total)
         print(f"\n{label}: {wall:.0f} s wall, exit code {code}; CPU {total:.0f} s = {total / unit:.0f} units")
-        print(f"{'process':<24} {'count':>6} {'CPU s':>8} {'share':>6}")
-        for name, (count, cpu) in sorted(by_name.items(), key=lambda item: -item[1][1])[:SHOWN]:
-            print(f"{name:<24} {count:6d} {cpu:8.0f} {cpu / max(total, 1e-9):6.0%}")
+        for heading, table, shown in (("process", by_name, SHOWN), ("started as", by_start, None)):
+            print(f"{heading:<24} {'count':>6} {'CPU s':>8} {'share':>6} {'per one':>8}")
+            for name, (count, cpu) in sorted(table.items(), key=lambda item: -item[1][1])[:shown]:
+                print(f"{name:<24} {count:6d} {cpu:8.0f} {cpu / max(total, 1e-9):6.0%} {cpu / count:8.2f}")
     if len(totals) == 2:
         print(f"\nCPU with {args.against} / as given: {totals[1] / max(totals[0], 1e-9):.2f}")
     print(f"unit: a bare `import torch`, median of 6 (3 before, 3 after): {unit:.2f} s")
-    return next((code for _, _, code, _ in runs if code != 0), 0)
+    return next((code for _, _, code, *_ in runs if code != 0), 0)
 
 
 if __name__ == "__main__":

@@ -199,7 +199,7 @@ test "$(stat -c %u "$checkout/models/ddp/model.pt")" = 1000
 step "MLflow on the host: docker run --network host -e MLFLOW_TRACKING_URI=http://127.0.0.1:PORT ... train --mode single"
 port=$("$root/.venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 rm -rf "$work/mlflow" && mkdir -p "$work/mlflow"
-"$root/.venv/bin/mlflow" server --host 127.0.0.1 --port "$port" --workers 1 \
+MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false "$root/.venv/bin/mlflow" server --host 127.0.0.1 --port "$port" --workers 1 \
     --backend-store-uri "sqlite:///$work/mlflow/mlflow.db" --artifacts-destination "$work/mlflow/artifacts" \
     >"$work/mlflow/server.log" 2>&1 &
 server=$!

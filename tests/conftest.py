@@ -255,6 +255,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# How the project starts an MLflow server (make ui, docs/mlflow.md, docs/multi-node.md): without
+# MLflow's GenAI job runner, five idle Python processes of MLflow that this pipeline never uses.
+SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+
+
 def start_mlflow_server(home: Path, *args: str):
     """A real `mlflow server` on 127.0.0.1 with its own SQLite store and artifact folder in `home`
     (and `args` on its command line): its process, its URI and its log, once it answers (if only
@@ -268,7 +273,7 @@ def start_mlflow_server(home: Path, *args: str):
         ["mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{home / 'server.db'}",
          "--artifacts-destination", str(home / "artifacts"), *args],
-        cwd=home, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
+        cwd=home, env=subprocess_env(**SERVER_ENV), stdout=log, stderr=subprocess.STDOUT,
     )
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -376,14 +376,14 @@ def test_the_printed_link_opens_the_training_runs_in_a_real_browser(repro, tmp_p
     real `mlflow server` over the pipeline's own store (what `make ui` starts)."""
     from mlflow import MlflowClient
 
-    from tests.conftest import free_port, subprocess_env
+    from tests.conftest import SERVER_ENV, free_port, subprocess_env
 
     project, _, result = repro
     link = re.search(r"MLflow: the mode runs side by side at (\S+)", result.stdout).group(1)
     assert link.startswith("http://127.0.0.1:5000/#/experiments/") and "workflowType=machine_learning" in link
     port = free_port()
     server = subprocess.Popen(["mlflow", "ui", "--host", "127.0.0.1", "--port", str(port), "--backend-store-uri",
-                               f"sqlite:///{project / 'mlflow.db'}"], cwd=project, env=subprocess_env(),
+                               f"sqlite:///{project / 'mlflow.db'}"], cwd=project, env=subprocess_env(**SERVER_ENV),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     shots = os.environ.get("MNIST_PIPELINE_SCREENSHOTS")  # a folder: keep the pictures (the README's)

@@ -21,6 +21,7 @@ import pytest
 
 from tests.conftest import (
     ROOT,
+    SERVER_ENV,
     SMALL,
     load_weights,
     make_project,
@@ -97,7 +98,7 @@ def tracking_server(hosts, postgres, tmp_path_factory):
         "[mlflow]\ndefault_permission = READ\n"
         f"database_uri = sqlite:///{home / 'basic_auth.db'}\nadmin_username = admin\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
-    server_env = subprocess_env(MLFLOW_AUTH_CONFIG_PATH=str(home / "basic_auth.ini"),
+    server_env = subprocess_env(**SERVER_ENV, MLFLOW_AUTH_CONFIG_PATH=str(home / "basic_auth.ini"),
                                 MLFLOW_AUTH_ADMIN_PASSWORD=CREDENTIALS["MLFLOW_TRACKING_PASSWORD"],
                                 MLFLOW_FLASK_SERVER_SECRET_KEY=uuid.uuid4().hex)
     server = node_a.popen(

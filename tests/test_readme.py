@@ -55,9 +55,10 @@ def shell(script: str, cwd: Path, timeout: int = 900) -> subprocess.CompletedPro
                           timeout=timeout)
 
 
-def serve_until_it_answers(script: str, cwd: Path, port: int, timeout: float = 90) -> str:
+def serve_until_it_answers(script: str, cwd: Path, port: int, timeout: float = 90) -> tuple[str, list[str]]:
     """Runs a command that serves on 127.0.0.1:`port` until stopped; stops it (SIGTERM, as Ctrl-C
-    would) once it answers, and returns its output. Fails if it ends by itself or never answers."""
+    would) once it answers, and returns its output and the command lines of the processes it ran
+    then. Fails if it ends by itself or never answers."""
     with socket.socket() as probe:  # another server there would answer for it
         assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is taken before `{script}`: free it"
     url = f"http://127.0.0.1:{port}/health"
@@ -74,6 +75,7 @@ def serve_until_it_answers(script: str, cwd: Path, port: int, timeout: float = 9
 
     try:
         wait_until(answers, f"{script}: {url} answering", timeout=timeout, interval=0.3)
+        running = session_commands(server.pid)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -81,7 +83,19 @@ def serve_until_it_answers(script: str, cwd: Path, port: int, timeout: float = 9
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             raise
-    return output
+    return output, running
+
+
+def session_commands(sid: int) -> list[str]:
+    """The command line of every process in session `sid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.getsid(int(entry.name)) == sid:
+                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:  # ended meanwhile
+            continue
+    return found
 
 
 def test_quick_start_and_workflows_work_as_written(tmp_path, mnist_dir):
@@ -96,7 +110,10 @@ def test_quick_start_and_workflows_work_as_written(tmp_path, mnist_dir):
     assert re.search(r"^workspace .* single +\d+\.\d+% ", first.stdout, re.M), first.stdout[-2000:]
 
     # make ui serves MLflow (it runs until stopped): its links come first.
-    served = serve_until_it_answers(ui[0], project, 5000)
+    served, running = serve_until_it_answers(ui[0], project, 5000)
+    # The UI's web server alone: not MLflow's GenAI job runner and its huey consumers (docs/mlflow.md).
+    assert any("uvicorn" in command for command in running), running
+    assert not [command for command in running if "huey" in command or "_job_runner" in command], running
     assert re.search(r"modes compared at http://127\.0\.0\.1:5000/#/compare-runs\?runs=%5B%22[0-9a-f]{32}", served)
     assert "the ddp ranks compared at" in served
 

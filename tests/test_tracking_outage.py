@@ -21,7 +21,7 @@ from mlflow import MlflowClient
 
 from pipeline.tracking.model import load_model
 
-from tests.conftest import free_port, project_env, run, subprocess_env
+from tests.conftest import SERVER_ENV, free_port, project_env, run, subprocess_env
 from tests.test_tracking import project_with
 
 EPOCHS = 4
@@ -42,7 +42,7 @@ class Server:
                 ["mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
                  "--backend-store-uri", f"sqlite:///{self.home / 'server.db'}",
                  "--artifacts-destination", str(self.home / "artifacts")],
-                cwd=self.home, env=subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                cwd=self.home, env=subprocess_env(**SERVER_ENV), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while True:
             try:
