@@ -97,7 +97,8 @@ def tracking_server(hosts, postgres, tmp_path_factory):
     (home / "basic_auth.ini").write_text(
         "[mlflow]\ndefault_permission = READ\n"
         f"database_uri = sqlite:///{home / 'basic_auth.db'}\nadmin_username = admin\n"
-        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        "auth_cache_ttl_seconds = 60\n")
     server_env = subprocess_env(**SERVER_ENV, MLFLOW_AUTH_CONFIG_PATH=str(home / "basic_auth.ini"),
                                 MLFLOW_AUTH_ADMIN_PASSWORD=CREDENTIALS["MLFLOW_TRACKING_PASSWORD"],
                                 MLFLOW_FLASK_SERVER_SECRET_KEY=uuid.uuid4().hex)
