@@ -81,7 +81,7 @@ gpu-check: install
 # The MLflow UI on the default store (SQLite file + ./mlartifacts): http://127.0.0.1:5000
 # It prints the links to the last training: its runs (not MLflow's GenAI pages), its modes and
 # each distributed mode's ranks side by side. Without MLflow's GenAI job runner, which this
-# pipeline never uses: five more Python processes, about 2 GB (benchmarks/mlflow_server_cost.py).
+# pipeline never uses: a runner and its huey consumers, about 2 GB (benchmarks/mlflow_server_cost.py).
 ui: install
 	@$(BIN)/python -c "from pipeline.tracking.links import print_ui_link; print_ui_link()"
 	MLFLOW_DISABLE_TELEMETRY=$${MLFLOW_DISABLE_TELEMETRY:-true} \

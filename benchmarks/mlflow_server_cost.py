@@ -2,7 +2,7 @@
 and off (`MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false`, as the project starts its servers: `make ui`,
 docs/mlflow.md, docs/multi-node.md and the tests).
 
-With job execution on, the server starts a job runner and four huey consumers besides its web
+With job execution on, the server starts a job runner and its huey consumers besides its web
 worker, each a Python process that imports MLflow, and they keep running (their memory included)
 for jobs this pipeline never submits. Each round starts a server on a fresh SQLite store as the
 tests do, waits until /health answers, waits `--settle` seconds (what a server serving a test does
@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import statistics
@@ -43,6 +44,7 @@ from suite_cpu import accounted  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"on (MLflow's default)": "true", "off (the project's)": "false"}
+START_TIMEOUT_S = 120
 
 
 def one_server(settle_s: float, out: Path) -> None:
@@ -62,6 +64,7 @@ def serving(home: Path, *args: str, env: dict[str, str] | None = None):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     started = time.monotonic()
+    deadline = started + START_TIMEOUT_S
     server = subprocess.Popen(
         [str(ROOT / ".venv/bin/mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{home}/mlflow.db", "--artifacts-destination", f"{home}/artifacts", *args],
@@ -76,11 +79,24 @@ def serving(home: Path, *args: str, env: dict[str, str] | None = None):
             except OSError:
                 if server.poll() is not None:
                     sys.exit(f"mlflow server ended ({server.returncode}) before it answered")
+                if time.monotonic() > deadline:
+                    sys.exit(f"mlflow server did not answer within {START_TIMEOUT_S} s")
                 time.sleep(0.2)
         yield server, f"http://127.0.0.1:{port}", time.monotonic() - started
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
+        stop_session(server)
+
+
+def stop_session(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's whole session, SIGKILL to what is left after 60 s."""
+    for sig, wait_s in ((signal.SIGTERM, 60), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):  # already gone
+            os.killpg(server.pid, sig)
+        try:
+            server.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def auth_cost(ttl_s: int, requests: int) -> tuple[float, float]:
@@ -148,8 +164,13 @@ def main() -> int:
     if args.one:
         one_server(args.settle, args.one)
         return 0
-    if os.geteuid() != 0:
-        sys.exit("mlflow_server_cost: needs root and the acct package (apt-get install acct)")
+    missing = [tool for tool in ("accton", "dump-acct") if shutil.which(tool) is None]
+    if missing or os.geteuid() != 0:
+        sys.exit(f"mlflow_server_cost: needs root and the acct package ({', '.join(missing) or 'not root'}): "
+                 "apt-get install acct, then run it as root")
+    # A kill or hang-up must still turn accounting off (suite_cpu.accounted's `finally`).
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda signum, _: sys.exit(128 + signum))
     unit = torch_unit(3)
     results: dict[str, list[tuple[float, int, float, float]]] = {label: [] for label in SETTINGS}
     for _ in range(args.rounds):
