@@ -256,7 +256,7 @@ def free_port() -> int:
 
 
 # How the project starts an MLflow server (make ui, docs/mlflow.md, docs/multi-node.md): without
-# MLflow's GenAI job runner, five idle Python processes of MLflow that this pipeline never uses.
+# MLflow's GenAI job runner and its huey consumers, idle Python processes this pipeline never uses.
 SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
