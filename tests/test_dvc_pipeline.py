@@ -92,14 +92,14 @@ def test_a_baseline_slowed_on_purpose_is_caught_in_every_view(repro, tmp_path):
             # Turns of 2 ms should end on time: on a busy host a late wake-up here hands single whole steps.
             with contextlib.suppress(PermissionError):  # no CAP_SYS_NICE or RLIMIT_RTPRIO: the budget
                 os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))  # below still holds, on average
-            started, used = time.monotonic(), cpu_seconds(proc.pid)
+            started, used = time.monotonic(), process_cpu_seconds(proc.pid)
             assert used > 0, f"no CPU time read for single (PID {proc.pid}) after its first epoch"
             while proc.poll() is None and not last_epoch_done.is_set():
                 os.killpg(proc.pid, signal.SIGSTOP)
                 hog.send_signal(signal.SIGCONT)
                 # Stopped until single is back within 0.1 CPU-s per second since the checkpoint: a turn
                 # that ran long (this thread woke late) is paid for with a longer stop.
-                while cpu_seconds(proc.pid) - used > 0.1 * (time.monotonic() - started):
+                while process_cpu_seconds(proc.pid) - used > 0.1 * (time.monotonic() - started):
                     time.sleep(0.005)
                 hog.send_signal(signal.SIGSTOP)  # single's turn has the cores to itself, as a time slice
                 os.killpg(proc.pid, signal.SIGCONT)
@@ -156,7 +156,7 @@ def test_a_baseline_slowed_on_purpose_is_caught_in_every_view(repro, tmp_path):
                                                                                                 rel=1e-4)
 
 
-def cpu_seconds(pid: int) -> float:
+def process_cpu_seconds(pid: int) -> float:
     """The CPU time of process `pid` so far, every thread's, ended ones too: the kernel's process clock.
 
     Linux names another process's clock ((~pid) << 3) | CPUCLOCK_SCHED (2); reading it raises OSError
