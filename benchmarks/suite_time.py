@@ -1,20 +1,28 @@
 """The test suite's wall time in units of one bare `python -c "import torch"`, so that the figure
-means the same on a slow day and a fast one (#37: the full suite at most 450 units, the fast tier
-under 60).
+means the same on a slow day as on a fast one (#37; #52: CI within 45 min on a slow day).
 
 It times three bare torch imports before the suites and three after (the unit is the median of the
 six: a machine that slowed down during the run counts both ways), runs each suite once, and prints
-the table: each suite's minutes, its units, and pytest's own summary line. The suites are `make
-test-fast` then `make test` in a clean clone of HEAD by default (what CI runs: a fresh venv
-included, which is not counted: the clone's venv is set up first), or any one command after `--`.
+the table: each suite's minutes, its units, and each of its pytest runs' summary and minutes (`make
+test` has two: the workers' part, then the tests marked `alone`). The suites are `make test-fast`
+then `make test` in a clean clone of HEAD by default (a fresh venv, set up first and not counted),
+`bash .ci/run` in a clean clone with `--ci` (as CI runs it: the venv's set-up counted), or any one
+command after `--`.
+
+A slow day, made on purpose: `--load N` runs N processes beside everything timed, the unit
+included, each copying 64 MiB from one buffer to another without end, at the suite's priority, so
+that they take both CPU time and memory bandwidth. On 2 cores `--load 2` slowed the unit from
+about 1.7 s to 3.3 to 3.8 s, as a slow day did (#52: 3.8 to 4.6 s).
 
     .venv/bin/python benchmarks/suite_time.py              # both tiers, in a clean clone of HEAD
+    .venv/bin/python benchmarks/suite_time.py --ci --load 2  # CI as it runs, on a made slow day
     .venv/bin/python benchmarks/suite_time.py -- pytest -q tests/test_config.py
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import statistics
@@ -28,11 +36,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_overhead import torch_unit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SUMMARY = re.compile(r"^=* ?(\d+ (?:passed|failed)[^\n]*?) in [\d.]+s", re.M)
+SUMMARY = re.compile(r"^=* ?(\d+ (?:passed|failed)[^\n]*?) in ([\d.]+)s", re.M)
+# One process of the made slow day: CPU time and memory bandwidth, no end of its own.
+LOAD = "a = bytearray(64 << 20)\nb = bytearray(64 << 20)\nwhile True:\n    b[:] = a\n"
+
+
+@contextlib.contextmanager
+def load(processes: int):
+    """`processes` copies of LOAD running for the block, ended with it however it ends."""
+    started = [subprocess.Popen([sys.executable, "-c", LOAD]) for _ in range(processes)]
+    try:
+        yield
+    finally:
+        for proc in started:
+            proc.kill()
+            proc.wait()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ci", action="store_true", help="time `bash .ci/run` in a clean clone, set-up included")
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="N memory-bound busy processes beside the run, the unit included (a slow day)")
     parser.add_argument("command", nargs="*", help="the suite to time (default: make test-fast, then make test, "
                                                    "in a clean clone)")
     args = parser.parse_args()
@@ -42,27 +67,35 @@ def main() -> int:
         if args.command:
             cwd, commands = ROOT, [args.command]
         else:
-            cwd, commands = Path(tmp), [["make", "test-fast"], ["make", "test"]]
+            cwd = Path(tmp)
             subprocess.run(["git", "clone", "-q", str(ROOT), str(cwd)], check=True)
-            subprocess.run(["make", "install"], cwd=cwd, check=True, env=env)  # set up, not timed
-        before = [torch_unit(1) for _ in range(3)]
-        runs = []
-        for command in commands:
-            started = time.monotonic()
-            done = subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True)
-            runs.append((command, time.monotonic() - started, done))
-        after = [torch_unit(1) for _ in range(3)]
+            if args.ci:
+                commands = [["bash", ".ci/run"]]
+            else:
+                commands = [["make", "test-fast"], ["make", "test"]]
+                subprocess.run(["make", "install"], cwd=cwd, check=True, env=env)  # set up, not timed
+        with load(args.load):
+            before = [torch_unit(1) for _ in range(3)]
+            runs = []
+            for command in commands:
+                started = time.monotonic()
+                done = subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True)
+                runs.append((command, time.monotonic() - started, done))
+            after = [torch_unit(1) for _ in range(3)]
     for _, _, done in runs:
         sys.stdout.write(done.stdout[-4000:])
     unit = statistics.median(before + after)
     print(f"\n{'suite':<40} {'minutes':>8} {'units':>7}   result")
     for command, wall, done in runs:
-        summary = " + ".join(SUMMARY.findall(done.stdout))  # make test: its two pytest runs
+        # make test: its two pytest runs, each with its own minutes
+        parts = " + ".join(f"{summary} ({float(seconds) / 60:.1f} min)"
+                           for summary, seconds in SUMMARY.findall(done.stdout))
         print(f"{' '.join(command)[:40]:<40} {wall / 60:8.1f} {wall / unit:7.0f}   "
-              f"{summary or f'exit code {done.returncode}'}")
+              f"{parts or f'exit code {done.returncode}'}")
     print(f"unit: a bare `import torch`, median of 6 (3 before, 3 after): {unit:.2f} s "
-          f"(before {statistics.median(before):.2f} s, after {statistics.median(after):.2f} s)")
+          f"(before {statistics.median(before):.2f} s, after {statistics.median(after):.2f} s)"
+          + (f"; beside {args.load} busy process(es) (--load)" if args.load else ""))
     return max(done.returncode for _, _, done in runs)
 
 

@@ -50,9 +50,12 @@ def test_repro_runs_every_stage(repro):
 @pytest.mark.alone
 def test_a_baseline_slowed_on_purpose_is_caught_in_every_view(repro, tmp_path):
     """As on a shared server when another job takes single's CPU: through single's last epoch the two
-    take turns (SIGSTOP/SIGCONT), single getting a tenth of its CPU time, so DDP's speed-up exceeds
-    what 2 cores allow. The console, the report, metrics/ and the MLflow runs all say so; the
-    intervals are in each of them too."""
+    take turns (SIGSTOP/SIGCONT), so DDP's speed-up exceeds what 2 cores allow. The console, the
+    report, metrics/ and the MLflow runs all say so; the intervals are in each of them too.
+
+    Single is slowed only as much as the bound needs, from the speeds this module's `dvc repro`
+    measured (`slowdown_for`): its last epoch takes a few times its own length, on a slow machine as
+    on a fast one, not a fixed multiple of its CPU time."""
     import signal
     import threading
 
@@ -65,6 +68,8 @@ def test_a_baseline_slowed_on_purpose_is_caught_in_every_view(repro, tmp_path):
     shutil.copytree(source, project, symlinks=True)
     # As `dvc repro` left it (this test comes before the module's experiments change the workspace).
     assert json.loads((project / "results/train/ddp.json").read_text())["epochs"] == 2
+    measured = json.loads((project / "metrics/ddp.json").read_text())
+    slowdown = slowdown_for(measured["speedup"], bound=2)
     checkpoint = project / "models/single/checkpoint.pt"
     before = checkpoint.stat().st_mtime_ns if checkpoint.exists() else None
     # And another job busy on the cores, which the host's load shows: niced, so that it barely slows
@@ -92,19 +97,21 @@ def test_a_baseline_slowed_on_purpose_is_caught_in_every_view(repro, tmp_path):
             # Turns of 2 ms should end on time: on a busy host a late wake-up here hands single whole steps.
             with contextlib.suppress(PermissionError):  # no CAP_SYS_NICE or RLIMIT_RTPRIO: the budget
                 os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))  # below still holds, on average
-            started, used = time.monotonic(), process_cpu_seconds(proc.pid)
-            assert used > 0, f"no CPU time read for single (PID {proc.pid}) after its first epoch"
+            started, ran = time.monotonic(), 0.0
             while proc.poll() is None and not last_epoch_done.is_set():
                 os.killpg(proc.pid, signal.SIGSTOP)
                 hog.send_signal(signal.SIGCONT)
-                # Stopped until single is back within 0.1 CPU-s per second since the checkpoint: a turn
-                # that ran long (this thread woke late) is paid for with a longer stop.
-                while process_cpu_seconds(proc.pid) - used > 0.1 * (time.monotonic() - started):
-                    time.sleep(0.005)
+                # Stopped until single has run at most 1/slowdown of the wall time since the checkpoint:
+                # a turn that ran long (this thread woke late) is paid for with a longer stop. Wall
+                # time, not CPU time: single's steps are timed by the wall clock, whatever the host's speed.
+                while ran > (time.monotonic() - started) / slowdown:
+                    time.sleep(0.002)
                 hog.send_signal(signal.SIGSTOP)  # single's turn has the cores to itself, as a time slice
+                resumed = time.monotonic()
                 os.killpg(proc.pid, signal.SIGCONT)
                 time.sleep(0.002)
-        except OSError as error:  # single ended (and was reaped) between two looks: its clock is gone
+                ran += time.monotonic() - resumed  # up to the SIGSTOP above, at the loop's top
+        except ProcessLookupError as error:  # single ended (and was reaped) between two looks
             with contextlib.suppress(subprocess.TimeoutExpired):  # the main thread's wait may be reaping it
                 proc.wait(timeout=5)
             if proc.returncode is None:
@@ -139,7 +146,9 @@ def test_a_baseline_slowed_on_purpose_is_caught_in_every_view(repro, tmp_path):
     assert f"**Not a measurement of the mode:** {warning}" in report
     metrics = json.loads((project / "metrics/ddp.json").read_text())
     assert metrics["timing_warnings"] >= 1 and metrics["speedup_low"] <= metrics["speedup"] <= metrics["speedup_high"]
-    assert metrics["speedup_low"] > 2  # the whole interval is beyond the hardware: not noise
+    # The whole interval is beyond the hardware: not noise.
+    assert metrics["speedup_low"] > 2, (f"single slowed {slowdown:.1f} times (ddp's speed-up was "
+                                        f"{measured['speedup']:.2f} in the repro): {metrics}")
     line = next(line for line in compare.stdout.splitlines() if line.startswith("ddp "))
     assert f"{metrics['speedup']:.2f}x ({metrics['speedup_low']:.2f}-{metrics['speedup_high']:.2f})" in line
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
@@ -156,13 +165,15 @@ def test_a_baseline_slowed_on_purpose_is_caught_in_every_view(repro, tmp_path):
                                                                                                 rel=1e-4)
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """The CPU time of process `pid` so far, every thread's, ended ones too: the kernel's process clock.
-
-    Linux names another process's clock ((~pid) << 3) | CPUCLOCK_SCHED (2); reading it raises OSError
-    once the process is reaped.
-    """
-    return time.clock_gettime_ns(((~pid) << 3) | 2) / 1e9
+def slowdown_for(speedup: float, bound: float, margin: float = 3.0, least: float = 3.0) -> float:
+    """How many times single must be slowed for ddp's speed-up, `speedup` when measured freely, to be
+    `margin` times the hardware's `bound`, so that the whole interval clears the bound. The margin
+    is for a busy host: there single, woken for its turn, takes the cores from the other work and
+    gets more done in a turn than it did running freely (beside two busy processes, a slowdown
+    meant to give 4x gave 3.2x, its interval from 2.07). At least
+    `least`: while single is stopped the other job runs, and it must keep more than a quarter of the
+    host's cores busy (pipeline.spread.OTHERS_SHARE) for the host's load to be named."""
+    return max(least, margin * bound / speedup)
 
 
 def test_second_repro_checks_the_interconnect_again_and_retrains_nothing(repro):
