@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SMALL, make_project, project_env, run
+from tests.conftest import SMALL, make_project, project_env, run, scaled
 
 MODES = ("single", "dp", "ddp")
 
@@ -391,8 +391,8 @@ def chromium_dom(url: str, tmp_path, screenshot=None, offline=False) -> str:
     if offline:
         common.append("--host-resolver-rules=MAP * ~NOTFOUND")
     if screenshot is not None:
-        subprocess.run([*common, f"--screenshot={screenshot}", url], capture_output=True, timeout=120)
-    proc = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=120)
+        subprocess.run([*common, f"--screenshot={screenshot}", url], capture_output=True, timeout=scaled(120))
+    proc = subprocess.run([*common, "--dump-dom", url], capture_output=True, text=True, timeout=scaled(120))
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 

@@ -48,7 +48,7 @@ def test_a_store_held_locked_is_refused_in_one_line_before_the_disk_changes(proj
 
     store = tmp_path / "mlflow.db"
     sqlite3.connect(store).execute("CREATE TABLE t (x)")
-    holder = hold_sqlite_lock(store, 120)
+    holder = hold_sqlite_lock(store, 3600)  # past the command's start and its 30 s wait, on any day: killed below
     try:
         monkeypatch.setattr(tracking, "SQLITE_BUSY_S", 1)
         with pytest.raises(PipelineError, match="another process has held .* locked for over 1 s"):

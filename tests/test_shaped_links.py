@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import machine_slowness
 from tests.hosts import TwoHosts, skip_reason
 from tests.shaped import RATES_MBIT, measure, node_dirs, prepared_project
 
@@ -55,7 +56,10 @@ def test_the_predicted_step_follows_the_measured_one_as_the_link_slows(tmp_path,
     table += f"\nnoise in the exposed share (unshaped, 1000, 100 Mbit/s): {noise}"
     # Tied, the two fast settings' shares are one share measured twice: the slow link's must exceed
     # their mean (the max of two noisy figures is biased upwards: one run had 18% and 26%, each
-    # with 27-35% noise, against 36% at 100 Mbit/s).
-    assert shares[1] >= shares[0] - max(tie, 0.02) and shares[2] > (shares[0] + shares[1]) / 2 + 0.1, table
+    # with 27-35% noise, against 36% at 100 Mbit/s). By 10 points on a fast day: the slow link's
+    # all-reduce takes as long on a slower machine while the step's compute grows, so its share, and
+    # the margin it clears, shrink with the machine's slowness.
+    margin = 0.1 / machine_slowness()
+    assert shares[1] >= shares[0] - max(tie, 0.02) and shares[2] > (shares[0] + shares[1]) / 2 + margin, table
     # The shaping took: at 100 Mbit/s (12.5 MB/s each way) commcheck saw no faster a link.
     assert settings[2]["link_busbw_gbps"] < 0.0125 * 1.25, table

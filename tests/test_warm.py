@@ -24,7 +24,7 @@ from mlflow import MlflowClient
 from pipeline.runtime import warm, warm_server
 from stages.entry import PACKAGES, WARM_APP
 from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, build_stand_in_driver, ddp_worker_pids, first_epoch_run,
-                            make_project, prepare, project_env, run, subprocess_env)
+                            make_project, prepare, project_env, run, scaled, subprocess_env)
 
 def servers_for(project: Path) -> list[int]:
     """The warm servers started in this project's folder or below: `mnist-pipeline warm-server
@@ -366,7 +366,7 @@ def test_a_frozen_server_is_passed_over_within_seconds(served):
         os.kill(server, signal.SIGCONT)
     assert other.returncode == 1 and "missing.yaml: not found" in other.stderr, other.stderr
     assert f"running in this process: the warm server (process {server}) is stopped" in other.stderr, other.stderr
-    assert took < 60  # a cold start of the command, not the server's START_TIMEOUT_S
+    assert took < scaled(60)  # a cold start of the command, not the server's START_TIMEOUT_S
 
 
 def test_a_command_longer_than_the_idle_time_leaves_its_server_serving(served):
@@ -376,12 +376,13 @@ def test_a_command_longer_than_the_idle_time_leaves_its_server_serving(served):
     project = served
     params = project / "long.yaml"
     params.write_text((project / "params.yaml").read_text().replace("epochs: 2", "epochs: 500"))
-    env = warm_env(project, MNIST_PIPELINE_WARM_IDLE_S="2")
+    idle = scaled(2)  # the next command must reach the server within it: a process start, on a slow day too
+    env = warm_env(project, MNIST_PIPELINE_WARM_IDLE_S=f"{idle:g}")
     client = subprocess.Popen(["mnist-pipeline", "train", "--mode", "single", "--params", str(params)], cwd=project,
                               env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         assert first_epoch_run(project, "single", client, timeout=300) is not None
-        time.sleep(3)  # past the idle time, the command still running
+        time.sleep(idle + 1)  # past the idle time, the command still running
         client.send_signal(signal.SIGINT)
         _, first = client.communicate(timeout=120)
     finally:
@@ -395,12 +396,13 @@ def test_a_command_longer_than_the_idle_time_leaves_its_server_serving(served):
 
 def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
     project = served
-    env = warm_env(project, MNIST_PIPELINE_WARM_IDLE_S="3")
+    idle = f"{scaled(3):g}"  # the probes below must reach the server before it ends, on a slow day too
+    env = warm_env(project, MNIST_PIPELINE_WARM_IDLE_S=idle)
     done = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", "missing.yaml"], cwd=project,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "running in this process" not in done.stderr, done.stderr
     (server,) = [pid for pid in servers_for(project) if
-                 f"{warm.IDLE_ENV}=3".encode() in Path(f"/proc/{pid}/environ").read_bytes()]
+                 f"{warm.IDLE_ENV}={idle}".encode() in Path(f"/proc/{pid}/environ").read_bytes()]
     address = listening_address(server)
     assert Path(address).parent == Path(f"/tmp/mnist-pipeline-{os.getuid()}")
     assert Path(address).parent.stat().st_mode & 0o777 == 0o700
