@@ -12,7 +12,7 @@ import torch
 
 from pipeline import hostload, spread
 from pipeline.breakdown import Probe
-from tests.conftest import ROOT, build_stand_in_driver, subprocess_env
+from tests.conftest import ROOT, build_stand_in_driver, process_cpu_seconds, subprocess_env
 
 pytestmark = pytest.mark.fast  # the inner loop's tier: `make test-fast`
 
@@ -94,15 +94,18 @@ def test_another_process_busy_on_our_cores_is_counted_and_our_own_work_is_not():
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.5)  # its start-up
-        sample, started = hostload.Sample(), time.perf_counter()
+        sample, started, hog_started = hostload.Sample(), time.perf_counter(), process_cpu_seconds(hog.pid)
         time.sleep(1.5)
         other = hostload.others([sample.finish()], time.perf_counter() - started)
+        hog_cores = (process_cpu_seconds(hog.pid) - hog_started) / (time.perf_counter() - started)
     finally:
         hog.kill()
         hog.wait()
-    # One core's worth more with the other process than with our own work alone, whatever else this
-    # shared machine ran meanwhile (our own CPU time counted as another's would make them equal).
-    assert other["others_cores"] - own["others_cores"] >= 0.6, (own, other)
+    # Most of what the other process got of the cores (a core on an idle host, less where this
+    # shared machine is busy with others) is counted beyond what our own work alone showed; our own
+    # CPU time counted as another's would make the two equal.
+    assert hog_cores > 0.25, f"the other process got {hog_cores:.2f} core(s): the host is too busy to tell"
+    assert other["others_cores"] - own["others_cores"] >= 0.6 * hog_cores, (own, other, hog_cores)
     assert other["cores"] == len(os.sched_getaffinity(0)) and other["loadavg_1m"] >= 0
 
 
