@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -44,8 +45,10 @@ LOAD = "a = bytearray(64 << 20)\nb = bytearray(64 << 20)\nwhile True:\n    b[:] 
 @contextlib.contextmanager
 def load(processes: int):
     """`processes` copies of LOAD running for the block, ended with it however it ends."""
-    started = [subprocess.Popen([sys.executable, "-c", LOAD]) for _ in range(processes)]
+    started = []
     try:
+        for _ in range(processes):
+            started.append(subprocess.Popen([sys.executable, "-c", LOAD]))
         yield
     finally:
         for proc in started:
@@ -61,7 +64,13 @@ def main() -> int:
     parser.add_argument("command", nargs="*", help="the suite to time (default: make test-fast, then make test, "
                                                    "in a clean clone)")
     args = parser.parse_args()
-    env = {**os.environ, "CI": "true"}
+    if args.ci and args.command:
+        parser.error("--ci times .ci/run: give no command with it")
+    # Killed (a cancelled job, `timeout`), it still ends its load: `load`'s finally runs on SystemExit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    # The suite measures today's slowness itself (tests/conftest.py): a pinned one would hide --load's.
+    env = {key: value for key, value in os.environ.items() if key not in ("MNP_TEST_SLOWNESS", "PYTEST_TIMEOUT")}
+    env["CI"] = "true"
     # Beside this checkout, as CI's clone is: the tests find ../shared (MNIST, reference files) there.
     with tempfile.TemporaryDirectory(prefix=f"{ROOT.name}-suite-", dir=ROOT.parent) as tmp:
         if args.command:

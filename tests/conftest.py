@@ -72,7 +72,8 @@ def scaled(seconds: float) -> float:
 
 
 def pytest_configure(config) -> None:
-    machine_slowness()
+    if not (config.option.help or config.option.collectonly):
+        machine_slowness()
     # A suite started in the background of a shell (`make test &`) inherits SIGINT ignored, and so
     # would every process it starts, as the Ctrl-C tests' commands would: restore Python's default,
     # which a child's exec turns back into the default action.
@@ -92,18 +93,21 @@ LONGEST_FIRST = ("test_multinode", "test_warm", "test_dvc_pipeline", "test_repro
 def pytest_collection_modifyitems(config, items) -> None:
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
-    # Every test's timeout by today's slowness: its own marker's, else pytest-timeout's setting
+    # Every test's timeout by today's slowness, at most doubled (a hung test must still end within
+    # CI's limit, with pytest-timeout's stacks): its own marker's, else pytest-timeout's setting
     # (--timeout, then PYTEST_TIMEOUT, then the ini's), as that plugin looks it up.
+    if config.option.collectonly or not config.pluginmanager.hasplugin("timeout"):
+        return
     default = next((value for value in (config.getoption("timeout", None), os.environ.get("PYTEST_TIMEOUT"),
                                         config.getini("timeout")) if value not in (None, "")), 0)
     for item in items:
         marker = item.get_closest_marker("timeout")
         kwargs = dict(marker.kwargs) if marker else {}
-        timeout = float(marker.args[0] if marker and marker.args else kwargs.pop("timeout", default))
+        timeout = float((marker.args[0] if marker and marker.args else kwargs.pop("timeout", default)) or 0)
         kwargs.pop("timeout", None)
         if timeout > 0:
-            item.add_marker(pytest.mark.timeout(scaled(timeout), *(marker.args[1:] if marker else ()), **kwargs),
-                            append=False)
+            item.add_marker(pytest.mark.timeout(min(scaled(timeout), 2 * timeout), *(marker.args[1:] if marker else ()),
+                                                **kwargs), append=False)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import yaml
@@ -17,6 +18,12 @@ import yaml
 from tests.conftest import ROOT, free_port, scaled, subprocess_env
 
 HELD = "accepts connections but does not answer as torchrun's store"
+
+
+@dataclass
+class Squatter:
+    port: int
+    held: list  # the connections it took, in order
 
 
 @pytest.fixture
@@ -37,7 +44,7 @@ def squatter():
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    yield server.getsockname()[1]
+    yield Squatter(server.getsockname()[1], held)
     stop.set()
     thread.join()
     for conn in held:
@@ -60,7 +67,7 @@ def trainjob_script() -> str:
 @pytest.mark.parametrize("node_rank, message", [("1", HELD), ("0", "is taken (Address already in use)")])
 def test_the_trainjob_fails_in_seconds_on_a_held_rendezvous_port(squatter, node_rank, message):
     result, took = timed(["sh", "-ec", trainjob_script()], PET_NODE_RANK=node_rank, PET_MASTER_ADDR="127.0.0.1",
-                         PET_MASTER_PORT=str(squatter), PET_NNODES="2", PET_NPROC_PER_NODE="1")
+                         PET_MASTER_PORT=str(squatter.port), PET_NNODES="2", PET_NPROC_PER_NODE="1")
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert took < scaled(30) and "torch.distributed.elastic" not in result.stderr  # torchrun never started
 
@@ -70,7 +77,7 @@ def test_the_docs_torchrun_line_fails_in_seconds_on_a_held_port(squatter):
     block = re.search(r"```sh\n# on node-a.*?\n(mnist-pipeline rendezvous-check.*?)```", (ROOT / "docs/multi-node.md").read_text(),
                       re.S)[1]
     # node-b's form of it (as the comment says), against a rendezvous address another program holds
-    line = block.replace("10.0.0.1:29400", f"127.0.0.1:{squatter}").replace("--host", "--client")
+    line = block.replace("10.0.0.1:29400", f"127.0.0.1:{squatter.port}").replace("--host", "--client")
     line = line.replace("is_host=1", "is_host=0").replace("--local-addr 10.0.0.1", "--local-addr 127.0.0.1")
     result, took = timed(["bash", "-c", line])
     assert result.returncode != 0 and HELD in result.stderr and took < scaled(30), result.stderr
@@ -94,10 +101,17 @@ def test_the_check_lets_a_real_rendezvous_through_and_waits_for_a_late_host():
 @pytest.mark.fast
 @pytest.mark.alone
 def test_ctrl_c_ends_the_check_at_once(squatter):
-    proc = subprocess.Popen(["mnist-pipeline", "rendezvous-check", "--endpoint", f"127.0.0.1:{squatter}"],
+    proc = subprocess.Popen(["mnist-pipeline", "rendezvous-check", "--endpoint", f"127.0.0.1:{squatter.port}"],
                             env=subprocess_env(), stderr=subprocess.PIPE, text=True)
-    time.sleep(scaled(4))  # inside the wait for the store's answer: its imports done, on a slow day too
+    # Inside the wait for the store's answer, however long the imports took: the check's probe
+    # connection, then the store's own.
+    deadline = time.monotonic() + scaled(30)
+    while len(squatter.held) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if len(squatter.held) < 2 or proc.poll() is not None:
+        proc.kill()
+        pytest.fail(f"the check never reached the store's handshake: {proc.communicate()}")
     proc.send_signal(signal.SIGINT)
     started = time.monotonic()
     proc.wait(timeout=10)
-    assert time.monotonic() - started < scaled(3) and proc.returncode != 0
+    assert time.monotonic() - started < 3 and proc.returncode != 0
