@@ -393,10 +393,10 @@ def ddp_worker_pids(launcher: int) -> dict[int, int]:
 
 def first_epoch_run(project: Path, mode: str, proc: subprocess.Popen, timeout: float = 180):
     """The parent run of `proc`'s training of `mode` once it has logged its first epoch; None if
-    `proc` ends or `timeout` (on a fast day: `scaled`) passes first. The store is opened only once models/<mode>/mlflow_run.json
-    exists, which the training writes when its runs exist: a client opening a new SQLite store makes
-    its schema, and two processes making one at once break it (MLflow does not lock), as a user's
-    `mlflow ui` started on a fresh store at the same moment would."""
+    `proc` ends or `timeout` (on a fast day: `scaled`) passes first. The store is opened only once
+    models/<mode>/mlflow_run.json exists, which the training writes when its runs exist: a client
+    opening a new SQLite store makes its schema, and two processes making one at once break it
+    (MLflow does not lock), as a user's `mlflow ui` started on a fresh store at the same moment would."""
     from mlflow import MlflowClient
 
     ids_file, client = project / "models" / mode / "mlflow_run.json", None
