@@ -3,6 +3,7 @@ a model per mode, and launching DDP workers through torchrun's own machinery."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import math
@@ -118,13 +119,62 @@ def driver_gpus() -> tuple[int, str] | str | None:
 # The run id of the workers this pipeline's launcher starts (launch_workers): the launcher has said
 # whatever it found out about the host, which its workers then need not repeat.
 RUN_ID_PREFIX = "mnist-"
-# NVML's error, where the driver's libraries are here but NVML cannot start (set by cuda_device_count).
-nvml_failure: str | None = None
+# Why the GPUs the driver has are no use to this process (set by cuda_device_count): NVML cannot
+# start, or they are hidden from it. None where there is no driver, or CUDA uses its GPUs.
+no_gpu_reason: str | None = None
 
 
 def nvml_cannot_start(error: str) -> str:
     return (f"the NVIDIA driver's libraries are here, but NVML cannot start ({error}), as in a container started "
             "without --gpus or one whose GPUs were lost")
+
+
+def driver_cuda_version() -> int | None:
+    """The CUDA version the driver supports (12020: CUDA 12.2; with NVIDIA's forward-compatibility
+    package, that package's), from libcuda's cuDriverGetVersion, which needs no cuInit: no context,
+    no warning. None without a driver."""
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    return version.value if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value else None
+
+
+def gpu_device_files() -> list[Path]:
+    return sorted(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def hides_every_gpu(visible: str | None) -> bool:
+    """CUDA_VISIBLE_DEVICES that leaves CUDA no device: empty, or an invalid first entry such as -1
+    (CUDA reads the list up to its first invalid entry)."""
+    if visible is None:
+        return False
+    first = visible.split(",")[0].strip()
+    return not first or first.startswith("-")
+
+
+def hidden(shown: int) -> str:
+    """Why CUDA sees none of the `shown` GPUs that the driver (NVML, which ignores
+    CUDA_VISIBLE_DEVICES and the devices a job was given) shows, where the driver could run them."""
+    gpus = f"{shown} GPU(s)" if shown else "GPUs"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return f"CUDA_VISIBLE_DEVICES={visible!r} hides the {gpus} the NVIDIA driver shows"
+    files = gpu_device_files()
+    openable = []
+    for path in files:
+        try:
+            os.close(os.open(path, os.O_RDWR))
+            openable.append(path)
+        except OSError:  # EPERM: a cgroup that confines devices (Slurm's, a container's)
+            continue
+    if not openable:
+        return (f"the NVIDIA driver shows {gpus}, but "
+                + ("no /dev/nvidiaN device file is here" if not files else "none of /dev/nvidiaN is open to this process")
+                + " (a Slurm job that asked for no GPU, or a container without them)")
+    return (f"the NVIDIA driver shows {gpus}, but CUDA can use none of them (GPUs in MIG mode without a "
+            "GPU instance, or all of them in use in exclusive compute mode)")
 
 
 @functools.cache
@@ -133,16 +183,33 @@ def say_no_usable_gpu() -> None:
     again by each of its workers."""
     if os.environ.get("TORCHELASTIC_RUN_ID", "").startswith(RUN_ID_PREFIX) or os.environ.get("LOCAL_RANK", "0") != "0":
         return
-    log.warning("no usable GPU: %s; running on the CPU", nvml_cannot_start(nvml_failure))
+    log.warning("no usable GPU: %s; running on the CPU", no_gpu_reason)
+
+
+def driver_too_old(supported: int | None, driver_version: str | None) -> bool:
+    """Whether the driver cannot run this torch's CUDA: the CUDA version it supports, else (without
+    libcuda to ask) NVML's driver version against the floor of the wheels' CUDA major version."""
+    needed = torch.version.cuda
+    if not needed:
+        return False
+    major = int(needed.split(".")[0])
+    if supported:
+        return supported // 1000 < major
+    floor = DRIVER_FLOOR.get(str(major))
+    try:
+        return floor is not None and driver_version is not None and int(driver_version.split(".")[0]) < floor
+    except ValueError:
+        return False
 
 
 @functools.cache
 def cuda_device_count() -> int:
-    """The GPUs this process can use. GPUs the driver shows but CUDA cannot use are an error that
-    names the driver: with a driver older than this torch's CUDA, torch warns once (easy to miss)
-    and reports no GPU, and training would go to the CPU. (torch.cuda.device_count() asks NVML
-    first, which sees the GPUs whatever the driver's CUDA version, so it cannot tell.) Where the
-    driver's libraries are here but NVML cannot start, none, and `nvml_failure` says why."""
+    """The GPUs this process can use. GPUs the driver shows but CUDA cannot use, where the driver is
+    older than this torch's CUDA, are an error that names the driver: torch warns once (easy to
+    miss) and reports no GPU, and training would go to the CPU. (torch.cuda.device_count() asks NVML
+    first, which sees the GPUs whatever the driver's CUDA version, so it cannot tell.) GPUs hidden
+    from this process (CUDA_VISIBLE_DEVICES, a job's devices, MIG without instances), or a driver
+    whose NVML cannot start: none, and `no_gpu_reason` says why."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         usable = torch.cuda.is_available()  # the CUDA runtime's own count, which fails on an old driver
@@ -152,16 +219,21 @@ def cuda_device_count() -> int:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
     if usable:
         return torch.cuda.device_count()
-    global nvml_failure
+    global no_gpu_reason
     driver = driver_gpus()
-    nvml_failure = driver if isinstance(driver, str) else None
-    if nvml_failure is not None:
+    if isinstance(driver, str):
+        no_gpu_reason = nvml_cannot_start(driver)
         driver = None
-    if too_old is None and not (driver and driver[0]):
+    shown = driver[0] if driver else 0
+    if too_old is None and not shown:
         return 0  # no GPU here
+    supported = int(too_old.group(1)) if too_old else driver_cuda_version()
+    if hides_every_gpu(os.environ.get("CUDA_VISIBLE_DEVICES")) or (
+            too_old is None and not driver_too_old(supported, driver[1] if driver else None)):
+        no_gpu_reason = hidden(shown)  # the driver could run them, or none is asked for: not this process's
+        return 0
     needed = torch.version.cuda or "?"
     floor = DRIVER_FLOOR.get(needed.split(".")[0])
-    supported = int(too_old.group(1)) if too_old else None
     raise PipelineError(
         "the NVIDIA driver" + (f" {driver[1]}" if driver else "")
         + (f" shows {driver[0]} GPU(s)" if driver else "")
@@ -184,11 +256,11 @@ def gpus_as_wanted(wanted: str, who: str = "this process") -> bool:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         raise PipelineError(
             f"{who}: train.device is cuda, but no GPU is visible"
-            + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
-            + (f": {nvml_cannot_start(nvml_failure)}" if nvml_failure else "")
+            + (f": {no_gpu_reason}" if no_gpu_reason
+               else f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
             + ". Under Slurm the job must ask for GPUs (train.launcher: slurm asks for train.nproc per node); "
               "a container must be started with --gpus all. Or set train.device: auto to train on the CPU")
-    if nvml_failure:
+    if no_gpu_reason:
         say_no_usable_gpu()
     return False
 
@@ -204,8 +276,42 @@ def pick_device(rank: Rank, wanted: str = "auto") -> torch.device:
             f"rank {rank.rank}: local rank {rank.local_rank} has no GPU (this node has {count}); "
             f"start at most {count} workers per node (train.nproc or torchrun --nproc-per-node)"
         )
+    check_capabilities(f"rank {rank.rank}", count)
     torch.cuda.set_device(rank.local_rank)
     return torch.device("cuda", rank.local_rank)
+
+
+def runs_here(capability: tuple[int, int], archs: Sequence[str]) -> bool:
+    """Whether a GPU of compute `capability` runs kernels built for `archs` (torch.cuda's arch list):
+    a cubin for sm_XY runs on X.Z for Z >= Y (sm_XYa only on X.Y), PTX for compute_XY on X.Y or
+    newer, compiled when loaded."""
+    major, minor = capability
+    for arch in archs:
+        kind, _, number = arch.partition("_")
+        digits = number.rstrip("af")
+        if not digits.isdigit():
+            continue
+        built = (int(digits) // 10, int(digits) % 10)
+        if kind == "compute" and built <= capability:
+            return True
+        if kind == "sm" and (built == capability or (digits == number and built[0] == major and built[1] <= minor)):
+            return True
+    return False
+
+
+def check_capabilities(who: str, count: int) -> None:
+    """Every GPU this process sees is one these wheels have kernels for: otherwise the first kernel
+    fails deep inside training with "no kernel image is available" (V100s, sm_70, under wheels
+    built for sm_75 and newer). Asked of the process that trains on them, where CUDA may start."""
+    archs = torch.cuda.get_arch_list()
+    for index in range(count):
+        capability = torch.cuda.get_device_capability(index)
+        if archs and not runs_here(capability, archs):
+            major, minor = capability
+            raise PipelineError(
+                f"{who}: cuda:{index} ({torch.cuda.get_device_name(index)}) has compute capability {major}.{minor}, "
+                f"and this torch {torch.__version__} has no kernels for it (built for {' '.join(archs)}): train on "
+                f"GPUs it is built for, install a torch built for sm_{major}{minor}, or set train.device: cpu")
 
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import re
 import subprocess
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -132,13 +133,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def driver_version() -> str:
+# The version in the kernel module's first line, as both kinds of module word it:
+#   NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023
+#   NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  (...)
+DRIVER_VERSION = re.compile(r"Kernel Module\b.*?\s(\d+\.\d+(?:\.\d+)?)\s")
+
+
+def driver_version(path: Path = DRIVER_VERSION_FILE) -> str:
     try:
-        text = DRIVER_VERSION_FILE.read_text()
+        text = path.read_text()
     except OSError:
         return "unknown"
-    words = text.split("Kernel Module", 1)[-1].split()
-    return words[0] if words else "unknown"
+    found = DRIVER_VERSION.search(text.splitlines()[0] + " " if text else "")
+    return found.group(1) if found else "unknown"
 
 
 def image() -> dict[str, str]:

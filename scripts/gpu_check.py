@@ -57,6 +57,8 @@ MECHANISMS = [
     ("the warm server serves every stage where the driver is loaded", "warm server (every stage after prepare)"),
     ("what train.deterministic costs", "train.deterministic cost (single, all of MNIST)"),
     ("the driver floor (CUDA 13.0 wheels: driver 580 or newer)", "the first lines: an older driver fails here"),
+    ("GPUs these wheels have kernels for (compute capability)", "the first lines: sm_70 and older fail here"),
+    ("the driver version read from /proc/driver/nvidia/version", "test_the_driver_version_is_recorded_as_the_driver_says"),
 ]
 
 
@@ -181,11 +183,14 @@ def deterministic_cost(project: Path, mnist: Path) -> tuple[str, str, str]:
 
 
 def main() -> int:
-    try:  # GPUs the driver shows but CUDA cannot use (a driver too old for these wheels): say so, fail
-        parallel.cuda_device_count()
+    try:  # GPUs the driver shows but CUDA cannot use (a driver too old for these wheels, GPUs they
+        # have no kernels for): say so, fail
+        parallel.check_capabilities("gpu-check", parallel.cuda_device_count())
     except PipelineError as exc:
         print(f"gpu-check: {exc}")
         return 1
+    if parallel.no_gpu_reason:  # hidden GPUs: the CPU's part runs, and the line says why no more
+        print(f"gpu-check: no usable GPU: {parallel.no_gpu_reason}")
     print("\n".join(describe_host()), flush=True)
     mnist = Path(os.environ.get("MNIST_SOURCE", ROOT.parent / "shared" / "data" / "mnist")).resolve()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:

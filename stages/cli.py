@@ -223,11 +223,12 @@ def run_worker_command(registry: str, *command: str) -> None:
 
 EPILOG = """\b
 Environment:
-  MNIST_SOURCE          folder or URL of the four MNIST IDX files (default:
-                        torchvision's mirrors)
+  MNIST_SOURCE          the folder holding the four MNIST IDX files (default:
+                        download them from torchvision's mirrors)
   MLFLOW_TRACKING_URI   where runs go (default: sqlite:///mlflow.db, files in
                         ./mlartifacts)
   MNIST_PIPELINE_DEBUG  =1: an error also prints its traceback
+  MNIST_PIPELINE_VERBOSE  =1: the detail too, as -v
   MNIST_PIPELINE_WARM   0: every command in a process of its own; 1: stages
                         in forks of one warm server, by hand too (default:
                         under DVC only; Linux)

@@ -5,7 +5,8 @@
  * CUDA_ERROR_NOT_INITIALIZED (3), and before nvmlInit, nvmlDeviceGetCount_v2 says
  * NVML_ERROR_UNINITIALIZED (1); cuDriverGetVersion answers without cuInit; cuGetProcAddress finds
  * nothing (CUDA_ERROR_NOT_FOUND), so the CUDA runtime cannot go further.
- * It shows STAND_IN_GPUS devices (none by default: the CUDA runtime could not use one). With
+ * It shows STAND_IN_GPUS devices (none by default: the CUDA runtime could not use one), a driver
+ * STAND_IN_DRIVER_VERSION (580.00) that supports CUDA STAND_IN_CUDA_VERSION (13000: 13.0). With
  * STAND_IN_NVML_INIT set, nvmlInit answers that code instead of success: 999, NVML_ERROR_UNKNOWN,
  * is what a container whose GPUs are not passed through (or were lost) gets, "Failed to
  * initialize NVML: Unknown Error"; cuInit then fails too, CUDA_ERROR_UNKNOWN (999).
@@ -26,7 +27,7 @@ static void note(const char *name) {
     if (f) { fprintf(f, "%d %s\n", (int)getpid(), name); fclose(f); }
 }
 int cuInit(unsigned int flags) { note("cuInit"); if (env_int("STAND_IN_NVML_INIT")) return 999; initialised = 1; return 0; }
-int cuDriverGetVersion(int *v) { note("cuDriverGetVersion"); *v = 13000; return 0; }
+int cuDriverGetVersion(int *v) { note("cuDriverGetVersion"); *v = getenv("STAND_IN_CUDA_VERSION") ? env_int("STAND_IN_CUDA_VERSION") : 13000; return 0; }
 int cuDeviceGetCount(int *n) { note("cuDeviceGetCount"); if (!initialised) return 3; *n = env_int("STAND_IN_GPUS"); return 0; }
 int cuGetProcAddress(const char *s, void **p, int v, unsigned long long f) { note("cuGetProcAddress"); if (p) *p = 0; return 500; }
 int cuGetProcAddress_v2(const char *s, void **p, int v, unsigned long long f, void *st) { note("cuGetProcAddress_v2"); if (p) *p = 0; return 500; }
@@ -41,7 +42,7 @@ int nvmlInit(void) { return nvml_init("nvmlInit"); }
 int nvmlInitWithFlags(unsigned int flags) { return nvml_init("nvmlInitWithFlags"); }
 int nvmlShutdown(void) { note("nvmlShutdown"); nvml_initialised = 0; return 0; }
 int nvmlDeviceGetCount_v2(unsigned int *n) { note("nvmlDeviceGetCount_v2"); if (!nvml_initialised) return 1; *n = env_int("STAND_IN_GPUS"); return 0; }
-int nvmlSystemGetDriverVersion(char *v, unsigned int len) { note("nvmlSystemGetDriverVersion"); if (!nvml_initialised) return 1; strncpy(v, "580.00", len); return 0; }
+int nvmlSystemGetDriverVersion(char *v, unsigned int len) { note("nvmlSystemGetDriverVersion"); if (!nvml_initialised) return 1; strncpy(v, getenv("STAND_IN_DRIVER_VERSION") ? getenv("STAND_IN_DRIVER_VERSION") : "580.00", len); return 0; }
 typedef struct { unsigned int pid; unsigned long long usedGpuMemory; unsigned int gpuInstanceId, computeInstanceId; } process_info;
 int nvmlDeviceGetHandleByUUID(const char *uuid, void **device) {
     note("nvmlDeviceGetHandleByUUID");

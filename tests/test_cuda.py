@@ -218,3 +218,17 @@ def test_a_run_on_the_gpus_is_reproduced_bit_for_bit_from_its_record(gpu_project
     proc = run(["mnist-pipeline", "reproduce", original], gpu_project, check=False, **project_env(gpu_project))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "reproduced bit for bit" in proc.stdout
+
+
+def test_the_driver_version_is_recorded_as_the_driver_says():
+    """The kernel module's own line (proprietary or open: "... Open Kernel Module for x86_64  580.xx"),
+    read as NVML reads the driver; and every GPU here one these wheels have kernels for, as torch's
+    own check says (no "not compatible" warning)."""
+    from pipeline import parallel
+    from pipeline.record import driver_version
+
+    driver = parallel.driver_gpus()
+    assert isinstance(driver, tuple), driver
+    assert driver_version() == driver[1]
+    for index in range(torch.cuda.device_count()):
+        assert parallel.runs_here(torch.cuda.get_device_capability(index), torch.cuda.get_arch_list())

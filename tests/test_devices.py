@@ -54,9 +54,11 @@ def test_a_driver_too_old_is_an_error_naming_both_versions(monkeypatch):
 
 
 def test_gpus_the_driver_shows_but_cuda_cannot_use_are_an_error_even_without_the_warning(monkeypatch):
-    """torch warns once a process: a second look gets no warning, but the driver still shows GPUs."""
+    """torch warns once a process: a second look gets no warning, but the driver still shows GPUs,
+    and its version (without libcuda to ask its CUDA version) is below the wheels' floor."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(parallel, "driver_gpus", lambda: (8, "550.54"))
+    monkeypatch.setattr(parallel, "driver_cuda_version", lambda: None)
     parallel.cuda_device_count.cache_clear()
     try:
         with pytest.raises(PipelineError, match=r"the NVIDIA driver 550\.54 shows 8 GPU\(s\), but CUDA cannot use them"):
@@ -96,7 +98,7 @@ def nvml_cannot_start(monkeypatch):
     yield
     for cached in (parallel.cuda_device_count, parallel.say_no_usable_gpu):
         cached.cache_clear()
-    parallel.nvml_failure = None
+    parallel.no_gpu_reason = None
 
 
 @pytest.mark.fast
@@ -172,3 +174,87 @@ def test_a_container_sized_dev_shm_is_said_before_nccl_workers_start(size, warne
         assert eight.startswith("/dev/shm holds 64 MiB") and "--ipc=host or --shm-size=1g" in eight, eight
     else:
         assert eight == "None"
+
+
+PICK = ("import logging; logging.basicConfig(format='%(message)s')\n"
+        "from pipeline.parallel import Rank, pick_device\n"
+        "print('device:', pick_device(Rank(), '{wanted}'))")
+
+
+def pick_on_the_stand_in(folder: Path, wanted: str = "auto", **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PICK.format(wanted=wanted)], cwd=ROOT, capture_output=True, text=True,
+                          env=subprocess_env(LD_LIBRARY_PATH=str(folder), STAND_IN_GPUS="2", **env), timeout=120)
+
+
+@pytest.mark.fast
+def test_gpus_hidden_from_the_process_are_not_an_old_driver(tmp_path):
+    """The stand-in driver shows 2 GPUs (NVML ignores CUDA_VISIBLE_DEVICES) that CUDA cannot use:
+    hidden by CUDA_VISIBLE_DEVICES, or with no device file open to the process (a Slurm job that
+    asked for none, MIG without instances), auto trains on the CPU and says why in one line; cuda
+    is refused naming the same cause. Only a driver whose CUDA is older than the wheels' is blamed."""
+    build_stand_in_driver(tmp_path)
+    for visible, cause in (("", "CUDA_VISIBLE_DEVICES='' hides the 2 GPU(s) the NVIDIA driver shows"),
+                           ("-1", "CUDA_VISIBLE_DEVICES='-1' hides the 2 GPU(s) the NVIDIA driver shows"),
+                           (None, "the NVIDIA driver shows 2 GPU(s), but ")):
+        env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+        done = pick_on_the_stand_in(tmp_path, **env)
+        assert done.returncode == 0 and done.stdout.strip() == "device: cpu", done.stderr[-2000:]
+        said = done.stderr.strip().splitlines()
+        assert len(said) == 1 and said[0].startswith(f"no usable GPU: {cause}"), said
+        refused = pick_on_the_stand_in(tmp_path, "cuda", **env)
+        assert refused.returncode == 1 and f"train.device is cuda, but no GPU is visible: {cause}" in refused.stderr
+        assert "Update the driver" not in done.stderr + refused.stderr
+    # A driver whose CUDA is older than the wheels' (12.2 against 13.0) is still the driver's fault,
+    # unless CUDA_VISIBLE_DEVICES asks for no GPU at all (reproduce's advice for a CPU run).
+    old = {"STAND_IN_CUDA_VERSION": "12020", "STAND_IN_DRIVER_VERSION": "535.104.05"}
+    done = pick_on_the_stand_in(tmp_path, **old)
+    assert done.returncode == 1 and ("PipelineError: the NVIDIA driver 535.104.05 shows 2 GPU(s), supports CUDA 12.2, "
+                                     "but CUDA cannot use them") in done.stderr, done.stderr[-2000:]
+    assert pick_on_the_stand_in(tmp_path, CUDA_VISIBLE_DEVICES="", **old).stdout.strip() == "device: cpu"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("line, version", [
+    ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023", "535.104.05"),
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.95.05  Release Build  "
+     "(dvs-builder@U22-I3-AF03-09-1)  Tue Sep 23 09:52:27 UTC 2025", "580.95.05"),
+    ("NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  580.65.06  Release Build  "
+     "(dvs-builder@U16-I2-C03-12-4)  Sun Jul 27 06:54:38 UTC 2025", "580.65.06"),
+    ("", "unknown"),
+])
+def test_the_driver_version_is_read_from_either_kind_of_kernel_module(tmp_path, line, version):
+    """NVIDIA's open kernel modules (the default since R560, the only kind on Blackwell) word their
+    line "... Open Kernel Module for x86_64  580.xx": the version, not "for"."""
+    from pipeline.record import driver_version
+
+    (tmp_path / "version").write_text(f"{line}\nGCC version:  gcc version 13.3.0 (Ubuntu 13.3.0-6ubuntu2~24.04)\n")
+    assert driver_version(tmp_path / "version") == version
+    assert driver_version(tmp_path / "absent") == "unknown"
+
+
+# Compute capabilities of GPUs a team may have, and whether the installed wheels have kernels for them
+# (their arch list: sm_75 to sm_120, each cubin running on its major version's later minors).
+CAPABILITIES = {(6, 0): "P100", (7, 0): "V100", (7, 5): "T4", (8, 0): "A100", (8, 6): "A10", (8, 9): "L4",
+                (9, 0): "H100", (10, 0): "B200", (10, 3): "B300", (12, 0): "RTX PRO 6000"}
+
+
+@pytest.mark.fast
+def test_gpus_the_wheels_have_no_kernels_for_are_refused_at_the_start(monkeypatch):
+    archs = torch.cuda.get_arch_list()
+    if not archs:
+        pytest.skip("a torch built without CUDA")
+    built = [int(arch[3:]) for arch in archs if arch.startswith("sm_") and arch[3:].isdigit()]
+    for capability in CAPABILITIES:
+        # torch's own rule (torch.cuda._check_cubins), less its leniency: sm_86 kernels do not run on 8.0
+        expected = any(sm // 10 == capability[0] and sm % 10 <= capability[1] for sm in built)
+        assert parallel.runs_here(capability, archs) == expected, capability
+    assert not parallel.runs_here((9, 0), ["sm_86"]) and parallel.runs_here((9, 0), ["sm_86", "compute_86"])
+    assert parallel.runs_here((9, 0), ["sm_90a"]) and not parallel.runs_here((10, 0), ["sm_90a"])
+
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: [(9, 0), (7, 0)][index])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: ["NVIDIA H100", "Tesla V100-SXM2-32GB"][index])
+    parallel.check_capabilities("rank 0", 1)
+    with pytest.raises(PipelineError, match=r"^rank 0: cuda:1 \(Tesla V100-SXM2-32GB\) has compute capability 7\.0, "
+                                            r"and this torch .* has no kernels for it \(built for sm_75 .* sm_120\)"):
+        parallel.check_capabilities("rank 0", 2)

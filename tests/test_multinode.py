@@ -482,6 +482,9 @@ def test_dvc_repro_submits_ddp_to_slurm_and_an_interrupted_job_continues_on_the_
     assert "ddp epoch 1/2" in crashed_job and "crashing after epoch 1" in crashed_job
     assert "ddp epoch 1/2" not in resumed_job and "ddp epoch 2/2" in resumed_job, resumed_job[-3000:]
     assert "2 node(s) x 1 worker(s), rendezvous node-a" in resumed_job
+    # Each job meets at a port of its own (from its id), so two jobs sharing a node do not collide.
+    ports = [int(re.search(r"rendezvous node-a \([\d.]+:(\d+)\)", job).group(1)) for job in (crashed_job, resumed_job)]
+    assert ports == [20000 + int(p.stem.split("-")[1]) % 10000 for p in logs] and ports[0] != ports[1], ports
     # train.device: auto asks for no GPU; train.cpus_per_rank for each worker
     assert "GPUs per node: none asked for, CPUs per node: 1" in resumed_job
     assert not (project / "models/ddp/unfinished.json").exists()

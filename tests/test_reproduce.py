@@ -107,6 +107,16 @@ def test_each_mode_is_remade_bit_for_bit(trained, mode):
         assert sorted(r.info.run_name for r in ranks) == ["ddp/rank-0", "ddp/rank-1"]
 
 
+def test_a_cpu_run_is_remade_on_a_gpu_host_whose_gpus_are_hidden_as_advised(trained, tmp_path):
+    """reproduce's advice for a CPU run on a GPU host: hide the GPUs (CUDA_VISIBLE_DEVICES=). On the
+    stand-in driver showing 2 GPUs, that re-makes the run on the CPU, bit for bit."""
+    build_stand_in_driver(tmp_path)
+    proc = reproduce(trained, parent_of(trained, "single"), LD_LIBRARY_PATH=str(tmp_path), STAND_IN_GPUS="2",
+                     CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 0 and verdict(proc).startswith("reproduce: reproduced bit for bit"), verdict(proc)
+    assert "CUDA_VISIBLE_DEVICES='' hides the 2 GPU(s)" in proc.stdout + proc.stderr
+
+
 def test_a_run_from_a_dirty_tree_is_remade_from_its_patch(tmp_path, mnist_dir):
     """The uncommitted change of tracked files goes with the parent run, exactly as `git apply`
     would re-make it, and the code digest is the dirty tree's. The change decides the weights (a
