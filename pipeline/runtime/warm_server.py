@@ -29,14 +29,14 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from pipeline.runtime import warm
+from pipeline.runtime import warm_client, warm_common, warm_exit, warm_key, warm_start
 
 DEFAULT_IDLE_S = 30.0
 LINGER_S = 5.0  # once its sponsors ended: a script's next `dvc repro` in the same folder finds it
 
 
 def serve(config: dict) -> Callable[[], None]:
-    """The server's life (`config`: what warm.start_server says). Returns only in a fork, with the
+    """The server's life (`config`: what warm_start.start_server says). Returns only in a fork, with the
     command that fork is to run."""
     listener_fd, own_key = config["listener"], config["key"]
     name_process(["mnist-pipeline", "warm-server", os.getcwd()])
@@ -49,15 +49,15 @@ def serve(config: dict) -> Callable[[], None]:
     relisten.listen(16)
     relisten.detach()
     app = config["app"]
-    code = warm.code_digest(app["packages"])
+    code = warm_key.code_digest(app["packages"])
     problem = preload(app["preload"])
-    if problem is None and warm.code_digest(app["packages"]) != code:
+    if problem is None and warm_key.code_digest(app["packages"]) != code:
         # An edit saved while this imported: what it imported may be neither the client's code
         # (its key) nor the code on disk now.
         problem = "the project's code changed while the server imported it\n"
     startup_path = list(sys.path)
     os.chdir("/")  # holds no folder of a project (a test's tmpfs can be unmounted under it)
-    idle_s = float(os.environ.get(warm.IDLE_ENV) or DEFAULT_IDLE_S)
+    idle_s = float(os.environ.get(warm_common.IDLE_ENV) or DEFAULT_IDLE_S)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
@@ -124,7 +124,7 @@ def serve(config: dict) -> Callable[[], None]:
                             sock.close()
                         os.close(wake_r)
                         os.close(wake_w)
-                        return lambda: warm.run_and_exit(lambda: run_command(*request, app["run_in_fork"]))
+                        return lambda: warm_exit.run_and_exit(lambda: run_command(*request, app["run_in_fork"]))
                     if pid is None:  # nothing runs: the client is told why, if it still listens
                         if isinstance(request, str):
                             send(conn, {"error": request})
@@ -139,7 +139,7 @@ def serve(config: dict) -> Callable[[], None]:
                     except OSError:
                         hung_up = True
                     if hung_up:  # killed outright: so is its command, as a process of its own would be
-                        warm.signal_group(running[conn], signal.SIGKILL)
+                        warm_client.signal_group(running[conn], signal.SIGKILL)
                         selector.unregister(conn)
                         gone.add(conn)  # reaped like any fork, on its SIGCHLD
             if busy or running or waiting:  # idle from the moment the last command ended, not from when it began
@@ -202,10 +202,10 @@ def preload(modules: list[str]) -> str | None:
 def accept(listener: socket.socket, problem: str | None) -> socket.socket | None:
     conn, _ = listener.accept()
     conn.setblocking(True)
-    pid, uid, _ = warm.peer_credentials(conn)
+    pid, uid, _ = warm_client.peer_credentials(conn)
     # Only its own user's commands, from where the server itself runs: the name of an abstract
     # socket can be read in /proc/net/unix from another container or sandbox of the same user.
-    if uid != os.getuid() or not warm.same_namespaces(pid):
+    if uid != os.getuid() or not warm_client.same_namespaces(pid):
         conn.close()
         return None
     if not send(conn, {"error": f"the warm server cannot serve: {problem.strip().splitlines()[-1]}"} if problem
@@ -217,7 +217,7 @@ def accept(listener: socket.socket, problem: str | None) -> socket.socket | None
 
 
 class Sponsors:
-    """The processes the server's commands ran for (warm.sponsor), each watched through a pidfd
+    """The processes the server's commands ran for (warm_start.sponsor), each watched through a pidfd
     that becomes readable when it ends."""
 
     def __init__(self, selector: selectors.BaseSelector) -> None:
@@ -233,7 +233,7 @@ class Sponsors:
             pidfd = os.pidfd_open(pid)
         except OSError:  # ended already (or no pidfds here): nothing to wait for
             return
-        if warm.start_time(pid) != started:  # the pid names another process now
+        if warm_start.start_time(pid) != started:  # the pid names another process now
             os.close(pidfd)
             return
         self._watched[pid] = pidfd
@@ -250,8 +250,8 @@ class Sponsors:
 
 
 def remove_own_file(address: str, inode: int) -> None:
-    """Remove the socket's file, unless another server's has replaced it (warm.start_server)."""
-    with warm.locked(address):
+    """Remove the socket's file, unless another server's has replaced it (warm_start.start_server)."""
+    with warm_start.locked(address):
         try:
             if os.stat(address).st_ino == inode:
                 os.unlink(address)
@@ -283,7 +283,7 @@ def receive(conn: socket.socket, startup_path: list[str], own_key: str) -> tuple
             os.close(fd)
         return request
     # Only what names the command: all else the server was started with, as its key says.
-    request["env"] = {k: v for k, v in request["env"].items() if warm.per_command(k)}
+    request["env"] = {k: v for k, v in request["env"].items() if warm_key.per_command(k)}
     return request, fds
 
 
@@ -344,16 +344,16 @@ def run_command(request: dict, fds: list[int], run_in_fork: str) -> None:
     atexit.unregister(shutil.rmtree)
     os.chdir(request["cwd"])
     os.umask(request["umask"])
-    for name in [name for name in os.environ if warm.per_command(name)]:
+    for name in [name for name in os.environ if warm_key.per_command(name)]:
         del os.environ[name]
     os.environ.update(request["env"])
     sys.path[:] = request["path"]
     sys.argv = request["argv"]
     # As Python sets it up for what fd 1 is, and for -u (the server has the client's -u).
-    sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=warm.unbuffered())
+    sys.stdout.reconfigure(line_buffering=os.isatty(1), write_through=warm_key.unbuffered())
     if "numpy" in sys.modules:  # numpy's global generator, seeded from the OS in a fresh process
         sys.modules["numpy"].random.seed()
-    warm.named(run_in_fork)(sys.argv[1:], request["prog"])
+    warm_common.named(run_in_fork)(sys.argv[1:], request["prog"])
 
 
 def hang_up(signum: int, frame) -> None:
