@@ -3,15 +3,11 @@ a model per mode, and launching DDP workers through torchrun's own machinery."""
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
 import math
 import os
-import re
 import signal
 import uuid
-import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline import gpus
 from pipeline.runtime import forkserver
 from pipeline.errors import ConfigError, PipelineError
 
@@ -86,232 +83,20 @@ def restarted_by_torchrun() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
-# torch's words when the driver is older than its CUDA (c10/cuda/CUDAFunctions.cpp); the number is
-# the CUDA version the driver supports, as cudaDriverGetVersion gives it (12020: CUDA 12.2).
-DRIVER_TOO_OLD = re.compile(r"driver on your system is too old \(found version (\d+)\)")
-# The oldest NVIDIA driver for each CUDA major version of the wheels (NVIDIA's release notes).
-DRIVER_FLOOR = {"12": 525, "13": 580}
-
-
-def driver_gpus() -> tuple[int, str] | str | None:
-    """(GPUs, driver version) as the NVIDIA driver itself reports them through NVML, which works
-    whatever CUDA version the driver supports; None without a driver (no libnvidia-ml); NVML's own
-    error where its library loads but cannot start: a container started without --gpus that has
-    the driver's libraries anyway, or one whose GPUs were lost ("Unknown Error")."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError_LibraryNotFound:
-        return None
-    except pynvml.NVMLError as exc:
-        return str(exc)
-    try:
-        return pynvml.nvmlDeviceGetCount(), pynvml.nvmlSystemGetDriverVersion()
-    except pynvml.NVMLError:
-        return None
-    finally:
-        pynvml.nvmlShutdown()
-
-
-# The run id of the workers this pipeline's launcher starts (launch_workers): the launcher has said
-# whatever it found out about the host, which its workers then need not repeat.
-RUN_ID_PREFIX = "mnist-"
-# Why the GPUs the driver has are no use to this process (set by cuda_device_count): NVML cannot
-# start, or they are hidden from it. None where there is no driver, or CUDA uses its GPUs.
-no_gpu_reason: str | None = None
-
-
-def nvml_cannot_start(error: str) -> str:
-    return (f"the NVIDIA driver's libraries are here, but NVML cannot start ({error}), as in a container started "
-            "without --gpus or one whose GPUs were lost")
-
-
-def driver_cuda_version() -> int | None:
-    """The CUDA version the driver supports (12020: CUDA 12.2; with NVIDIA's forward-compatibility
-    package, that package's), from libcuda's cuDriverGetVersion, which needs no cuInit: no context,
-    no warning. None without a driver."""
-    try:
-        libcuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    version = ctypes.c_int(0)
-    return version.value if libcuda.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value else None
-
-
-def gpu_device_files() -> list[Path]:
-    return sorted(Path("/dev").glob("nvidia[0-9]*"))
-
-
-def hides_every_gpu(visible: str | None) -> bool:
-    """CUDA_VISIBLE_DEVICES that leaves CUDA no device: empty, or an invalid first entry such as -1
-    (CUDA reads the list up to its first invalid entry)."""
-    if visible is None:
-        return False
-    first = visible.split(",")[0].strip()
-    return not first or first.startswith("-")
-
-
-def hidden(shown: int) -> str:
-    """Why CUDA sees none of the `shown` GPUs that the driver (NVML, which ignores
-    CUDA_VISIBLE_DEVICES and the devices a job was given) shows, where the driver could run them."""
-    gpus = f"{shown} GPU(s)" if shown else "GPUs"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return f"CUDA_VISIBLE_DEVICES={visible!r} hides the {gpus} the NVIDIA driver shows"
-    files = gpu_device_files()
-    openable = []
-    for path in files:
-        try:
-            os.close(os.open(path, os.O_RDWR))
-            openable.append(path)
-        except OSError:  # EPERM: a cgroup that confines devices (Slurm's, a container's)
-            continue
-    if not openable:
-        return (f"the NVIDIA driver shows {gpus}, but "
-                + ("no /dev/nvidiaN device file is here" if not files else "none of /dev/nvidiaN is open to this process")
-                + " (a Slurm job that asked for no GPU, or a container without them)")
-    return (f"the NVIDIA driver shows {gpus}, but CUDA can use none of them (GPUs in MIG mode without a "
-            "GPU instance, or all of them in use in exclusive compute mode)")
-
-
-@functools.cache
-def say_no_usable_gpu() -> None:
-    """train.device auto on such a host: one line a node, by the launcher (or a lone process), not
-    again by each of its workers."""
-    if os.environ.get("TORCHELASTIC_RUN_ID", "").startswith(RUN_ID_PREFIX) or os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    log.warning("no usable GPU: %s; running on the CPU", no_gpu_reason)
-
-
-def driver_too_old(supported: int | None, driver_version: str | None) -> bool:
-    """Whether the driver cannot run this torch's CUDA: the CUDA version it supports, else (without
-    libcuda to ask) NVML's driver version against the floor of the wheels' CUDA major version."""
-    needed = torch.version.cuda
-    if not needed:
-        return False
-    major = int(needed.split(".")[0])
-    if supported:
-        return supported // 1000 < major
-    floor = DRIVER_FLOOR.get(str(major))
-    try:
-        return floor is not None and driver_version is not None and int(driver_version.split(".")[0]) < floor
-    except ValueError:
-        return False
-
-
-@functools.cache
-def cuda_device_count() -> int:
-    """The GPUs this process can use. GPUs the driver shows but CUDA cannot use, where the driver is
-    older than this torch's CUDA, are an error that names the driver: torch warns once (easy to
-    miss) and reports no GPU, and training would go to the CPU. (torch.cuda.device_count() asks NVML
-    first, which sees the GPUs whatever the driver's CUDA version, so it cannot tell.) GPUs hidden
-    from this process (CUDA_VISIBLE_DEVICES, a job's devices, MIG without instances), or a driver
-    whose NVML cannot start: none, and `no_gpu_reason` says why."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        usable = torch.cuda.is_available()  # the CUDA runtime's own count, which fails on an old driver
-    too_old = next((found for w in caught if (found := DRIVER_TOO_OLD.search(str(w.message)))), None)
-    for warning in caught:
-        if not DRIVER_TOO_OLD.search(str(warning.message)):
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    if usable:
-        return torch.cuda.device_count()
-    global no_gpu_reason
-    driver = driver_gpus()
-    if isinstance(driver, str):
-        no_gpu_reason = nvml_cannot_start(driver)
-        driver = None
-    shown = driver[0] if driver else 0
-    if too_old is None and not shown:
-        return 0  # no GPU here
-    supported = int(too_old.group(1)) if too_old else driver_cuda_version()
-    if hides_every_gpu(os.environ.get("CUDA_VISIBLE_DEVICES")) or (
-            too_old is None and not driver_too_old(supported, driver[1] if driver else None)):
-        no_gpu_reason = hidden(shown)  # the driver could run them, or none is asked for: not this process's
-        return 0
-    needed = torch.version.cuda or "?"
-    floor = DRIVER_FLOOR.get(needed.split(".")[0])
-    raise PipelineError(
-        "the NVIDIA driver" + (f" {driver[1]}" if driver else "")
-        + (f" shows {driver[0]} GPU(s)" if driver else "")
-        + (f", supports CUDA {supported // 1000}.{supported % 1000 // 10}" if supported else "")
-        + f", but CUDA cannot use them: this torch {torch.__version__} is built for CUDA {needed}"
-        + (f", which needs driver {floor} or newer" if floor else "")
-        + ". Update the driver, install NVIDIA's CUDA forward-compatibility package, or set "
-          "train.device: cpu to train on the CPU")
-
-
-def gpus_as_wanted(wanted: str, who: str = "this process") -> bool:
-    """Whether to train on GPUs: there are some and `wanted` is not cpu. `cuda` with none visible
-    is an error, not a silent CPU run. Counts the GPUs without touching them, so a launcher can
-    ask before it starts workers."""
-    if wanted == "cpu":
-        return False
-    if cuda_device_count():
-        return True
-    if wanted == "cuda":
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        raise PipelineError(
-            f"{who}: train.device is cuda, but no GPU is visible"
-            + (f": {no_gpu_reason}" if no_gpu_reason
-               else f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
-            + ". Under Slurm the job must ask for GPUs (train.launcher: slurm asks for train.nproc per node); "
-              "a container must be started with --gpus all. Or set train.device: auto to train on the CPU")
-    if no_gpu_reason:
-        say_no_usable_gpu()
-    return False
-
-
 def pick_device(rank: Rank, wanted: str = "auto") -> torch.device:
     """One process per device: CUDA device `local_rank` when CUDA is present (`wanted`: auto or
     cuda), else the CPU (auto or cpu). `cuda` without a visible GPU is an error, not a silent CPU run."""
-    if wanted == "cpu" or not gpus_as_wanted(wanted, f"rank {rank.rank}"):
+    if wanted == "cpu" or not gpus.gpus_as_wanted(wanted, f"rank {rank.rank}"):
         return torch.device("cpu")
-    count = cuda_device_count()
+    count = gpus.cuda_device_count()
     if rank.local_rank >= count:
         raise PipelineError(
             f"rank {rank.rank}: local rank {rank.local_rank} has no GPU (this node has {count}); "
             f"start at most {count} workers per node (train.nproc or torchrun --nproc-per-node)"
         )
-    check_capabilities(f"rank {rank.rank}", count)
+    gpus.check_capabilities(f"rank {rank.rank}", [rank.local_rank])
     torch.cuda.set_device(rank.local_rank)
     return torch.device("cuda", rank.local_rank)
-
-
-def runs_here(capability: tuple[int, int], archs: Sequence[str]) -> bool:
-    """Whether a GPU of compute `capability` runs kernels built for `archs` (torch.cuda's arch list):
-    a cubin for sm_XY runs on X.Z for Z >= Y (sm_XYa only on X.Y), PTX for compute_XY on X.Y or
-    newer, compiled when loaded."""
-    major, minor = capability
-    for arch in archs:
-        kind, _, number = arch.partition("_")
-        digits = number.rstrip("af")
-        if not digits.isdigit():
-            continue
-        built = (int(digits) // 10, int(digits) % 10)
-        if kind == "compute" and built <= capability:
-            return True
-        if kind == "sm" and (built == capability or (digits == number and built[0] == major and built[1] <= minor)):
-            return True
-    return False
-
-
-def check_capabilities(who: str, count: int) -> None:
-    """Every GPU this process sees is one these wheels have kernels for: otherwise the first kernel
-    fails deep inside training with "no kernel image is available" (V100s, sm_70, under wheels
-    built for sm_75 and newer). Asked of the process that trains on them, where CUDA may start."""
-    archs = torch.cuda.get_arch_list()
-    for index in range(count):
-        capability = torch.cuda.get_device_capability(index)
-        if archs and not runs_here(capability, archs):
-            major, minor = capability
-            raise PipelineError(
-                f"{who}: cuda:{index} ({torch.cuda.get_device_name(index)}) has compute capability {major}.{minor}, "
-                f"and this torch {torch.__version__} has no kernels for it (built for {' '.join(archs)}): train on "
-                f"GPUs it is built for, install a torch built for sm_{major}{minor}, or set train.device: cpu")
 
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
@@ -355,7 +140,7 @@ def limit_cpu_threads(rank: Rank) -> int:
 
 def default_nproc(wanted: str = "auto") -> int:
     """One worker per GPU, or CPU_ONLY_DEFAULT_NPROC where there is none (or train.device: cpu)."""
-    return (0 if wanted == "cpu" else cuda_device_count()) or CPU_ONLY_DEFAULT_NPROC
+    return (0 if wanted == "cpu" else gpus.cuda_device_count()) or CPU_ONLY_DEFAULT_NPROC
 
 
 def check_world_size(global_batch: int, world_size: int) -> None:
@@ -515,6 +300,14 @@ def all_gather_objects(value, rank: Rank) -> list:
     return gathered
 
 
+# A worker that died of SIGABRT said nothing of its own: NCCL's watchdog takes a rank down so when a
+# collective times out or fails (TORCH_NCCL_ASYNC_ERROR_HANDLING=3, torch's default), past any
+# Python handler, and leaves one C++ line in the rank's output.
+ABORTED = (": SIGABRT, an abort in C++; on GPUs most often NCCL's watchdog ending a rank whose collective timed "
+           "out or failed, because a rank stopped or died first or the ranks called collectives in different "
+           "orders: its 'Watchdog caught collective operation timeout' line above names the collective")
+
+
 def launch_workers(nproc: int, entrypoint: Callable[..., None], args: Sequence[str]) -> None:
     """Run `entrypoint(*args)` as `nproc` torchrun workers on this node and wait for them all.
 
@@ -531,7 +324,7 @@ def launch_workers(nproc: int, entrypoint: Callable[..., None], args: Sequence[s
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
-        run_id=f"{RUN_ID_PREFIX}{uuid.uuid4().hex[:8]}",
+        run_id=f"{gpus.RUN_ID_PREFIX}{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
         # The workers reach the agent's store at this address; the host name it would otherwise
@@ -556,7 +349,8 @@ def launch_workers(nproc: int, entrypoint: Callable[..., None], args: Sequence[s
                 f"the fork server that started the ddp workers (process {pid}) {how} (the out-of-memory killer, or "
                 "another program), and every worker was stopped with it; see `dmesg` or the system log for why, "
                 "then run again") from None
-        failures = ", ".join(f"rank {r} (exit code {f.exitcode})" for r, f in sorted(exc.failures.items()))
+        failures = ", ".join(f"rank {r} (exit code {f.exitcode}{ABORTED if f.exitcode == -signal.SIGABRT else ''})"
+                             for r, f in sorted(exc.failures.items()))
         raise PipelineError(f"ddp worker(s) failed: {failures}; see the worker's message above") from None
     except SignalException as exc:
         # This launcher was signalled (Ctrl-C, a container stopped, a scheduler's pre-emption), and

@@ -120,7 +120,7 @@ def check_host(recorded: Recorded, root: Path) -> None:
     if nodes != 1 and launcher == "local":
         raise Refusal(f"run {recorded.run_id} ran on {nodes} nodes under torchrun; a reproduction "
                       "runs on this host (or through train.launcher: slurm)")
-    from pipeline.parallel import cuda_device_count
+    from pipeline.gpus import cuda_device_count
 
     gpus = cuda_device_count()
     ran_on = recorded.tags["device_type"]
@@ -148,7 +148,7 @@ def devices_used(recorded: Recorded) -> int:
 def visible_devices(recorded: Recorded) -> dict[str, str]:
     """On a host with more GPUs than the run had, only as many for the reproduction: DataParallel
     splits over every visible GPU, and DDP's default nproc starts a worker per GPU."""
-    from pipeline.parallel import cuda_device_count
+    from pipeline.gpus import cuda_device_count
 
     if recorded.tags["device_type"] != "cuda" or cuda_device_count() <= devices_used(recorded):
         return {}

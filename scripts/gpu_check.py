@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pipeline import parallel  # noqa: E402
+from pipeline import gpus  # noqa: E402
 from pipeline.errors import PipelineError  # noqa: E402
 from tests.conftest import make_project, project_env, subprocess_env  # noqa: E402
 
@@ -63,7 +63,7 @@ MECHANISMS = [
 
 
 def describe_host() -> list[str]:
-    driver = parallel.driver_gpus()
+    driver = gpus.driver_gpus()
     if not torch.cuda.is_available():
         return [f"torch {torch.__version__}: no CUDA device on this host"]
     lines = [f"torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
@@ -185,12 +185,12 @@ def deterministic_cost(project: Path, mnist: Path) -> tuple[str, str, str]:
 def main() -> int:
     try:  # GPUs the driver shows but CUDA cannot use (a driver too old for these wheels, GPUs they
         # have no kernels for): say so, fail
-        parallel.check_capabilities("gpu-check", parallel.cuda_device_count())
+        gpus.check_capabilities("gpu-check", range(gpus.cuda_device_count()))
     except PipelineError as exc:
         print(f"gpu-check: {exc}")
         return 1
-    if parallel.no_gpu_reason:  # hidden GPUs: the CPU's part runs, and the line says why no more
-        print(f"gpu-check: no usable GPU: {parallel.no_gpu_reason}")
+    if gpus.no_gpu_reason:  # hidden GPUs: the CPU's part runs, and the line says why no more
+        print(f"gpu-check: no usable GPU: {gpus.no_gpu_reason}")
     print("\n".join(describe_host()), flush=True)
     mnist = Path(os.environ.get("MNIST_SOURCE", ROOT.parent / "shared" / "data" / "mnist")).resolve()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:

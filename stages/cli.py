@@ -153,13 +153,14 @@ def library_failure(exc: Exception) -> str | None:
         except PipelineError as translated:
             return f"{rank}{translated} ({DEBUG_ENV}=1 shows the traceback)"
     text = " ".join(str(exc).split())
-    if "NCCL error" in text or "ncclSystemError" in text or "WorkNCCL" in text:
+    if "NCCL error" in text or "NCCL timeout in:" in text or "ncclSystemError" in text or "WorkNCCL" in text:
         return f"{rank}{nccl_failure(text)} ({DEBUG_ENV}=1 shows the traceback)"
     module = type(exc).__module__
     if module.startswith("torch.distributed") or type(exc).__name__ in ("DistError", "DistStoreError",
                                                                          "DistNetworkError", "RendezvousError"):
-        where = os.environ.get("MASTER_ADDR", "?") + ":" + os.environ.get("MASTER_PORT", "?")
-        return (f"{rank}torch.distributed could not reach the other ranks through {where} "
+        where = (f" through {os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '?')}"
+                 if "MASTER_ADDR" in os.environ else "")
+        return (f"{rank}torch.distributed could not reach the other ranks{where} "
                 f"({' '.join(str(exc).split())[:300]}); check that every node runs the same command and reaches "
                 f"the rendezvous address and port, and that no other program holds the port "
                 f"({DEBUG_ENV}=1 shows the traceback)")
@@ -168,18 +169,24 @@ def library_failure(exc: Exception) -> str | None:
 
 def nccl_failure(text: str) -> str:
     """NCCL's own failure (torch raises it as DistBackendError, "NCCL error in: FILE:LINE, REASON,
-    NCCL version V", NCCLUtils.hpp; or the watchdog's "WorkNCCL(...) timed out"), with its likely
+    NCCL version V", NCCLUtils.hpp; "NCCL timeout in: FILE:LINE" where a communicator's setup timed
+    out; or the watchdog's "WorkNCCL(...) timed out"), with its likely
     cause: not a rendezvous problem, which is all torch.distributed's other errors can be here."""
     reason = text.split(", ", 1)[1] if text.startswith("NCCL error in:") and ", " in text else text
     if "Last error:" in reason:  # NCCL's own words on the call that failed: the useful part
         head, _, last = reason.partition("Last error:")
         reason = f"{head.split(' (run with')[0].strip()}: {last.strip()}"
+    if text.startswith("NCCL timeout in:"):  # C10D_CHECK_TIMEOUT: a communicator set up without blocking
+        reason = "NCCL's communicator setup timed out"
     if "shared memory" in text or "/dev/shm" in text:
         cause = ("/dev/shm too small for NCCL's buffers: a container's default is 64 MB (Docker), so run it "
                  "with --ipc=host or --shm-size=1g")
     elif "unhandled system error" in text:
         cause = ("a system call failed: between nodes, most often the network interface NCCL chose (set "
                  "NCCL_SOCKET_IFNAME) or a firewall; in a container, /dev/shm (--ipc=host)")
+    elif text.startswith("NCCL timeout in:"):
+        cause = ("a rank did not join in time: it stopped or died first, or cannot reach the others (between nodes: "
+                 "NCCL_SOCKET_IFNAME, a firewall)")
     elif "timed out" in text or "Watchdog" in text:
         cause = ("a collective waited past its timeout: a rank stopped or died first (its own message says why), "
                  "or the ranks called collectives in different orders")

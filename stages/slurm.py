@@ -59,24 +59,53 @@ def launcher(config: Config) -> str:
     return "local" if in_job() else config.train.launcher
 
 
-def gpu_request(config: Config, job: Job) -> list[str]:
-    """sbatch's GPU request with train.device: cuda. Without one, a cluster that confines devices
-    with cgroups hides every GPU from the job, which would then train on the node's CPUs. (auto asks
-    for none: the login node cannot see what the compute nodes hold, so say cuda to train on their GPUs.)"""
-    if config.train.device != "cuda":
-        return []
+def partition_gpus() -> int | None:
+    """The most GPUs a node of the job's partition holds, as Slurm's GRES say (sinfo): the partition
+    SBATCH_PARTITION names (as sbatch reads it), else the default one. None where its nodes hold
+    none, or sinfo cannot say."""
+    try:
+        listed = subprocess.run(["sinfo", "--noheader", "--format", "%P %G"], capture_output=True, text=True,
+                                timeout=SLURM_PING_TIMEOUT_S).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    wanted = os.environ.get("SBATCH_PARTITION", "").split(",")[0]
+    most = 0
+    for line in listed.splitlines():
+        name, _, gres = line.strip().partition(" ")
+        if (name.rstrip("*") == wanted) if wanted else name.endswith("*"):
+            for resource in gres.split(","):  # gpu:8, gpu:a100:8(S:0-1), shard:8 or (null)
+                fields = resource.split("(")[0].split(":")
+                if fields[0] == "gpu" and fields[-1].isdigit():
+                    most = max(most, int(fields[-1]))
+    return most or None
+
+
+def gpus_asked(config: Config, job: Job) -> int | None:
+    """The GPUs a node of the job asks for. train.device: cuda asks for them (train.nproc); auto
+    asks wherever the partition's nodes hold GPUs, train.nproc of them or all a node holds, since a
+    cluster that confines devices with cgroups shows a job none it did not ask for, and one that
+    does not lets it take GPUs Slurm gave to other jobs. None: the CPU (cpu, or no GPU to ask for)."""
+    if config.train.device == "cpu":
+        return None
+    if config.train.device == "auto":
+        held = partition_gpus()
+        return None if held is None else (job.devices or held)
     if job.devices is None:
         raise PipelineError("train.device is cuda with train.launcher: slurm, so the job must ask Slurm for GPUs: "
                             "set train.nproc to the GPUs each node should give it (one DDP worker per GPU; "
                             "DataParallel's GPUs)")
-    return ["--gpus-per-node", str(job.devices)]
+    return job.devices
 
 
-def cpu_request(config: Config, job: Job) -> list[str]:
+def gpu_request(gpus: int | None) -> list[str]:
+    return [] if gpus is None else ["--gpus-per-node", str(gpus)]
+
+
+def cpu_request(config: Config, job: Job, gpus: int | None) -> list[str]:
     """sbatch's CPU request: train.cpus_per_rank for each device of a node, all in the node's one
     task (torchrun, which starts the workers, or the one process). A GPU request alone gets the
     site's default CPUs, often one per job or per GPU, on which 8 workers would take turns."""
-    return ["--cpus-per-task", str(config.train.cpus_per_rank * (job.devices or 1))]
+    return ["--cpus-per-task", str(config.train.cpus_per_rank * (gpus or job.devices or 1))]
 
 
 def check_ready(config: Config, job: Job) -> None:
@@ -87,7 +116,7 @@ def check_ready(config: Config, job: Job) -> None:
                             "node, or set train.launcher: local")
     if not job.script.is_file():
         raise PipelineError(f"{job.script}: missing; run from the project's root directory")
-    gpu_request(config, job)
+    gpus_asked(config, job)
     if shutil.which("scontrol") is not None:  # from the same package as sbatch; a site may leave it out
         try:
             ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=SLURM_PING_TIMEOUT_S)
@@ -106,6 +135,7 @@ def submit(config: Config, command: list[str], log_dir: Path, job: Job) -> None:
     never outlives the command: interrupted (Ctrl-C, a stop signal, DVC's), it cancels the job
     before it lets go of what the job writes to."""
     check_ready(config, job)
+    gpus = gpus_asked(config, job)
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, SUBMITTED: "1"}
     if job.script == DDP_SCRIPT and config.train.nproc:
@@ -115,7 +145,7 @@ def submit(config: Config, command: list[str], log_dir: Path, job: Job) -> None:
     output = log_dir / "slurm-%j.out"
     click.echo(f"{command[0]}: submitting to Slurm ({job.nodes} node(s)), waiting; log: {output}")
     sbatch = ["sbatch", "--wait", "--parsable", "--job-name", name, "--nodes", str(job.nodes), "--output", str(output),
-              *gpu_request(config, job), *cpu_request(config, job), str(job.script), *command]
+              *gpu_request(gpus), *cpu_request(config, job, gpus), str(job.script), *command]
     with subprocess.Popen(sbatch, env=env, stdout=subprocess.PIPE, text=True) as sbatch_process:
         try:
             job_id = sbatch_process.stdout.readline().strip().split(";")[0]  # said at submission

@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline import checkpoint, parallel, record
+from pipeline import checkpoint, gpus, parallel, record
 from pipeline.runtime import forkserver, lockfile
 from pipeline.atomic import in_the_way, save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, resume_state, trajectory
@@ -308,7 +308,7 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
     if slurm.launcher(config) == "slurm":  # every mode trains in a job, on a node like DDP's
         slurm.check_ready(config, slurm.job_for(config, "train", mode))
     else:
-        parallel.gpus_as_wanted(config.train.device)  # train.device: cuda without a GPU fails here
+        gpus.gpus_as_wanted(config.train.device)  # train.device: cuda without a GPU fails here
     parallel.check_every_mode(config.train, mode)
     if mode == "ddp":
         # Fail here, before any worker starts, on what would fail in every worker.

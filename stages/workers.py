@@ -4,7 +4,7 @@
 import click
 import torch
 
-from pipeline import parallel, record
+from pipeline import gpus, parallel, record
 from pipeline.runtime import forkserver
 from pipeline.config import Config
 from stages.common import WORKER_PRELOAD
@@ -16,7 +16,7 @@ def launch_workers(config: Config, command: list[str]) -> None:
     """Run `mnist-pipeline <command>` as one worker per device, as torchrun would."""
     nproc = config.train.nproc or parallel.default_nproc(config.train.device)
     forkserver.check_socket_path()
-    if parallel.gpus_as_wanted(config.train.device) and (small := parallel.small_shm(nproc)):
+    if gpus.gpus_as_wanted(config.train.device) and (small := parallel.small_shm(nproc)):
         click.echo(f"{command[0]}: warning: {small}", err=True)  # NCCL's first collective would say less
     click.echo(f"{command[0]}: launching {nproc} workers")
     forkserver.start(WORKER_PRELOAD[command[0]])  # the CLI started it already, unless it could not tell it would launch

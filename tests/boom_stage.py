@@ -9,5 +9,10 @@ cli.COMMANDS["boom"] = __name__
 
 
 @click.command()
-def boom() -> None:
+@click.option("--abort", is_flag=True, help="Die of SIGABRT, as NCCL's watchdog takes a rank down.")
+def boom(abort: bool) -> None:
+    if abort:
+        import os
+
+        os.abort()
     print(1 / 0)

@@ -224,11 +224,11 @@ def test_the_driver_version_is_recorded_as_the_driver_says():
     """The kernel module's own line (proprietary or open: "... Open Kernel Module for x86_64  580.xx"),
     read as NVML reads the driver; and every GPU here one these wheels have kernels for, as torch's
     own check says (no "not compatible" warning)."""
-    from pipeline import parallel
+    from pipeline import gpus
     from pipeline.record import driver_version
 
-    driver = parallel.driver_gpus()
+    driver = gpus.driver_gpus()
     assert isinstance(driver, tuple), driver
     assert driver_version() == driver[1]
     for index in range(torch.cuda.device_count()):
-        assert parallel.runs_here(torch.cuda.get_device_capability(index), torch.cuda.get_arch_list())
+        assert gpus.runs_here(torch.cuda.get_device_capability(index), torch.cuda.get_arch_list())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline import parallel
+from pipeline import gpus, parallel
 from pipeline.errors import PipelineError
 from pipeline.parallel import Rank
 from tests.conftest import ROOT, build_stand_in_driver, subprocess_env, train_cli
@@ -40,8 +40,8 @@ def test_a_driver_too_old_is_an_error_naming_both_versions(monkeypatch):
         return False
 
     monkeypatch.setattr(torch.cuda, "is_available", is_available)
-    monkeypatch.setattr(parallel, "driver_gpus", lambda: (2, "535.104.05"))
-    parallel.cuda_device_count.cache_clear()
+    monkeypatch.setattr(gpus, "driver_gpus", lambda: (2, "535.104.05"))
+    gpus.cuda_device_count.cache_clear()
     try:
         with pytest.raises(PipelineError, match=r"the NVIDIA driver 535\.104\.05 shows 2 GPU\(s\), supports CUDA 12\.2, "
                                                 r"but CUDA cannot use them: this torch .* built for CUDA 13\.0, which "
@@ -50,21 +50,55 @@ def test_a_driver_too_old_is_an_error_naming_both_versions(monkeypatch):
         assert parallel.pick_device(Rank(), "cpu").type == "cpu"  # asked for the CPU: no GPU question
         assert parallel.default_nproc("cpu") == parallel.CPU_ONLY_DEFAULT_NPROC
     finally:
-        parallel.cuda_device_count.cache_clear()
+        gpus.cuda_device_count.cache_clear()
 
 
 def test_gpus_the_driver_shows_but_cuda_cannot_use_are_an_error_even_without_the_warning(monkeypatch):
     """torch warns once a process: a second look gets no warning, but the driver still shows GPUs,
     and its version (without libcuda to ask its CUDA version) is below the wheels' floor."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(parallel, "driver_gpus", lambda: (8, "550.54"))
-    monkeypatch.setattr(parallel, "driver_cuda_version", lambda: None)
-    parallel.cuda_device_count.cache_clear()
+    monkeypatch.setattr(gpus, "driver_gpus", lambda: (8, "550.54"))
+    monkeypatch.setattr(gpus, "driver_cuda_version", lambda: None)
+    gpus.cuda_device_count.cache_clear()
     try:
         with pytest.raises(PipelineError, match=r"the NVIDIA driver 550\.54 shows 8 GPU\(s\), but CUDA cannot use them"):
             parallel.pick_device(Rank(), "auto")
     finally:
-        parallel.cuda_device_count.cache_clear()
+        gpus.cuda_device_count.cache_clear()
+
+
+# c10/cuda/CUDAFunctions.cpp's words for CUDA that could not start on a new enough driver, as torch's
+# device count warns them: here, NVSwitch's fabric manager not running (cudaErrorSystemNotReady).
+NOT_READY = ("CUDA initialization: Unexpected error from cudaGetDeviceCount(). Did you run some cuda functions "
+             "before calling NumCudaDevices() that might have already set an error? Error 802: system not yet "
+             "initialized")
+
+
+def test_cuda_that_cannot_start_on_a_new_driver_is_an_error_with_torchs_reason(monkeypatch):
+    """Not "hidden", not the CPU: the GPUs are this process's, and CUDA failed on them. Without libcuda
+    (a container without the compute capability) the same, naming it."""
+    assert b"Unexpected error from cudaGetDeviceCount()" in (Path(torch.__file__).parent / "lib" / "libc10_cuda.so").read_bytes()
+
+    def is_available() -> bool:
+        warnings.warn(NOT_READY, UserWarning)
+        return False
+
+    monkeypatch.setattr(torch.cuda, "is_available", is_available)
+    monkeypatch.setattr(gpus, "driver_gpus", lambda: (8, "580.95.05"))
+    monkeypatch.setattr(gpus, "driver_cuda_version", lambda: 13000)
+    gpus.cuda_device_count.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="Error 802"), pytest.raises(
+                PipelineError, match=r"the NVIDIA driver 580\.95\.05 shows 8 GPU\(s\), but CUDA cannot start on them "
+                                     r"\(Unexpected error from cudaGetDeviceCount\(\)\)\. Check them with nvidia-smi"):
+            parallel.pick_device(Rank(), "auto")
+        gpus.cuda_device_count.cache_clear()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setattr(gpus, "driver_cuda_version", lambda: None)
+        with pytest.raises(PipelineError, match=r"shows 8 GPU\(s\), but its CUDA library \(libcuda\.so\.1\) is not here"):
+            parallel.pick_device(Rank(), "auto")
+    finally:
+        gpus.cuda_device_count.cache_clear()
 
 
 def test_other_cuda_warnings_still_reach_the_user(monkeypatch):
@@ -73,13 +107,13 @@ def test_other_cuda_warnings_still_reach_the_user(monkeypatch):
         return False
 
     monkeypatch.setattr(torch.cuda, "is_available", is_available)
-    monkeypatch.setattr(parallel, "driver_gpus", lambda: None)
-    parallel.cuda_device_count.cache_clear()
+    monkeypatch.setattr(gpus, "driver_gpus", lambda: None)
+    gpus.cuda_device_count.cache_clear()
     try:
         with pytest.warns(UserWarning, match="something else"):
             assert parallel.pick_device(Rank(), "auto").type == "cpu"
     finally:
-        parallel.cuda_device_count.cache_clear()
+        gpus.cuda_device_count.cache_clear()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host: auto picks its GPU")
@@ -92,19 +126,19 @@ def test_cuda_without_a_gpu_is_an_error_and_auto_is_the_cpu():
 @pytest.fixture
 def nvml_cannot_start(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(parallel, "driver_gpus", lambda: "Unknown Error")
-    for cached in (parallel.cuda_device_count, parallel.say_no_usable_gpu):
+    monkeypatch.setattr(gpus, "driver_gpus", lambda: "Unknown Error")
+    for cached in (gpus.cuda_device_count, gpus.say_no_usable_gpu):
         cached.cache_clear()
     yield
-    for cached in (parallel.cuda_device_count, parallel.say_no_usable_gpu):
+    for cached in (gpus.cuda_device_count, gpus.say_no_usable_gpu):
         cached.cache_clear()
-    parallel.no_gpu_reason = None
+    gpus.no_gpu_reason = None
 
 
 @pytest.mark.fast
 def test_nvml_that_cannot_start_is_said_in_one_line_and_auto_trains_on_the_cpu(nvml_cannot_start, caplog,
                                                                                monkeypatch):
-    with caplog.at_level(logging.WARNING, logger="pipeline.parallel"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.gpus"):
         assert parallel.pick_device(Rank(), "auto").type == "cpu"
         assert parallel.pick_device(Rank(), "auto").type == "cpu"  # asked again in the same process: said once
     said = [record.getMessage() for record in caplog.records]
@@ -122,12 +156,12 @@ def test_the_workers_of_a_launcher_leave_the_line_to_it(nvml_cannot_start, caplo
     """This pipeline's launcher said it; under an outer torchrun, local rank 0 says it for the node."""
     for key, value in worker_env.items():
         monkeypatch.setenv(key, value)
-    with caplog.at_level(logging.WARNING, logger="pipeline.parallel"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.gpus"):
         assert parallel.pick_device(Rank(), "auto").type == "cpu"
     assert caplog.records == []
 
 
-DRIVER_AS_NVML_SEES_IT = "from pipeline.parallel import driver_gpus; print(driver_gpus())"
+DRIVER_AS_NVML_SEES_IT = "from pipeline.gpus import driver_gpus; print(driver_gpus())"
 
 
 def test_nvml_is_read_as_the_stand_in_driver_answers(tmp_path):
@@ -195,6 +229,7 @@ def test_gpus_hidden_from_the_process_are_not_an_old_driver(tmp_path):
     build_stand_in_driver(tmp_path)
     for visible, cause in (("", "CUDA_VISIBLE_DEVICES='' hides the 2 GPU(s) the NVIDIA driver shows"),
                            ("-1", "CUDA_VISIBLE_DEVICES='-1' hides the 2 GPU(s) the NVIDIA driver shows"),
+                           ("NoDevFiles", "CUDA_VISIBLE_DEVICES='NoDevFiles' hides the 2 GPU(s)"),
                            (None, "the NVIDIA driver shows 2 GPU(s), but ")):
         env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
         done = pick_on_the_stand_in(tmp_path, **env)
@@ -247,14 +282,17 @@ def test_gpus_the_wheels_have_no_kernels_for_are_refused_at_the_start(monkeypatc
     for capability in CAPABILITIES:
         # torch's own rule (torch.cuda._check_cubins), less its leniency: sm_86 kernels do not run on 8.0
         expected = any(sm // 10 == capability[0] and sm % 10 <= capability[1] for sm in built)
-        assert parallel.runs_here(capability, archs) == expected, capability
-    assert not parallel.runs_here((9, 0), ["sm_86"]) and parallel.runs_here((9, 0), ["sm_86", "compute_86"])
-    assert parallel.runs_here((9, 0), ["sm_90a"]) and not parallel.runs_here((10, 0), ["sm_90a"])
+        assert gpus.runs_here(capability, archs) == expected, capability
+    assert not gpus.runs_here((9, 0), ["sm_86"]) and gpus.runs_here((9, 0), ["sm_86", "compute_86"])
+    assert gpus.runs_here((9, 0), ["sm_90a"]) and not gpus.runs_here((10, 0), ["sm_90a"])
+    assert gpus.runs_here((10, 3), ["sm_100f"]) and not gpus.runs_here((12, 0), ["sm_100f"])  # a family's later minors
+    assert not gpus.runs_here((10, 0), ["compute_90a"]) and gpus.runs_here((10, 0), ["compute_90"])
+    assert not gpus.runs_here((8, 7), archs) and not gpus.runs_here((11, 0), archs)  # Jetson Orin, Thor: their own
 
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: [(9, 0), (7, 0)][index])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: ["NVIDIA H100", "Tesla V100-SXM2-32GB"][index])
-    parallel.check_capabilities("rank 0", 1)
+    gpus.check_capabilities("rank 0", [0])
     with pytest.raises(PipelineError, match=r"^rank 0: cuda:1 \(Tesla V100-SXM2-32GB\) has compute capability 7\.0, "
                                             r"and this torch .* has no kernels for it \(built for sm_75 .* sm_120\)"):
-        parallel.check_capabilities("rank 0", 2)
+        gpus.check_capabilities("rank 0", [0, 1])

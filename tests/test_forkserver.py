@@ -142,3 +142,8 @@ def test_a_bug_in_a_worker_shows_its_traceback():
     assert "ddp worker(s) failed: rank 0 (exit code 1)" in done.stderr, done.stderr[-3000:]
     assert "in boom\n    print(1 / 0)" in done.stderr and "ZeroDivisionError: division by zero" in done.stderr, \
         done.stderr[-3000:]
+    # A worker taken down by SIGABRT (NCCL's watchdog, past any Python handler) has its likely cause named.
+    aborted = subprocess.run([sys.executable, "-c", code.replace("'boom'])", "'boom', '--abort'])")], cwd=ROOT,
+                             capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert ("ddp worker(s) failed: rank 0 (exit code -6: SIGABRT, an abort in C++; on GPUs most often NCCL's "
+            "watchdog") in aborted.stderr, aborted.stderr[-3000:]

@@ -405,7 +405,8 @@ def test_with_slurm_single_dp_and_evaluate_run_in_jobs_too(hosts, slurm, trackin
     for name, (job_log,) in logs.items():
         text = job_log.read_text()
         command = "evaluate" if name == "evaluate" else "train"
-        assert re.search(rf"mnist-pipeline {command} on node-[ab]: GPUs: none asked for, CPUs: 1", text), text[-3000:]
+        # train.device: auto on a partition whose nodes hold GPUs (gres.conf): each job asks for its own
+        assert re.search(rf"mnist-pipeline {command} on node-[ab]: GPUs: 1, CPUs: 1", text), text[-3000:]
     for mode in ("single", "dp"):
         assert f"{mode} epoch 2/2" in logs[mode][0].read_text()  # trained there, not here
         assert f"{mode}: test accuracy" in logs["evaluate"][0].read_text()
@@ -485,8 +486,8 @@ def test_dvc_repro_submits_ddp_to_slurm_and_an_interrupted_job_continues_on_the_
     # Each job meets at a port of its own (from its id), so two jobs sharing a node do not collide.
     ports = [int(re.search(r"rendezvous node-a \([\d.]+:(\d+)\)", job).group(1)) for job in (crashed_job, resumed_job)]
     assert ports == [20000 + int(p.stem.split("-")[1]) % 10000 for p in logs] and ports[0] != ports[1], ports
-    # train.device: auto asks for no GPU; train.cpus_per_rank for each worker
-    assert "GPUs per node: none asked for, CPUs per node: 1" in resumed_job
+    # train.device: auto asks for train.nproc GPUs where the partition holds them; train.cpus_per_rank for each
+    assert "GPUs per node: 1, CPUs per node: 1" in resumed_job
     assert not (project / "models/ddp/unfinished.json").exists()
     summary = json.loads((project / "results/train/ddp.json").read_text())
     assert (summary["nodes"], summary["procs_per_node"]) == (2, 1)

@@ -396,6 +396,26 @@ def test_an_nccl_failure_is_named_as_one_with_its_likely_cause():
     assert "Connection refused" in message and "NCCL_SOCKET_IFNAME" in message and "--shm-size" not in message
 
 
+def test_an_nccl_setup_timeout_is_named_as_one_not_as_an_unreachable_rendezvous():
+    """C10D_CHECK_TIMEOUT's words (NCCLUtils.hpp, checked against the library), where a communicator
+    set up without blocking timed out: a rank that did not join, not an address "?:?"."""
+    import torch
+    from torch.distributed import DistBackendError
+
+    from stages.cli import library_failure
+
+    assert b"NCCL timeout in: " in (Path(torch.__file__).parent / "lib" / "libtorch_cuda.so").read_bytes()
+    os.environ["RANK"] = "3"
+    try:
+        message = library_failure(DistBackendError(
+            "NCCL timeout in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:232"))
+    finally:
+        os.environ.pop("RANK")
+    assert message.startswith("rank 3: NCCL failed (NCCL's communicator setup timed out): a rank did not join in "
+                              "time"), message
+    assert "could not reach" not in message and "?:?" not in message and "\n" not in message
+
+
 def test_a_setting_only_ddp_cannot_use_fails_the_first_mode(project):
     """With ddp in train.modes, train@single refuses a global batch smaller than DDP's ranks: found
     in seconds, not after single and dp have trained."""

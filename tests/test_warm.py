@@ -279,7 +279,7 @@ def test_a_stopped_command_whose_server_dies_still_ends_its_runs(served):
         (server,) = servers_for(project)
         (fork,) = [pid for pid in children_of(server) if alive(pid)]
         client.send_signal(signal.SIGTSTP)
-        assert wait_for_state(client.pid, "T") and wait_for_state(fork, "T")
+        assert wait_for_state(client.pid, "T") and wait_for_state(fork, "T", every_thread=True)
         os.kill(server, signal.SIGKILL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and alive(fork):
@@ -292,11 +292,19 @@ def test_a_stopped_command_whose_server_dies_still_ends_its_runs(served):
     assert run.info.status == "FAILED"
 
 
-def wait_for_state(pid: int, *states: str, timeout: float = 20) -> bool:
+def wait_for_state(pid: int, *states: str, timeout: float = 20, every_thread: bool = False) -> bool:
+    """Whether the process (with `every_thread`, each of its threads) reaches one of `states`. A
+    stop is the process's only once every thread has stopped: a thread still in a write (state D)
+    holds the group stop open, and the kernel hangs up only groups whose stop is complete."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        status = Path(f"/proc/{pid}/status").read_text()
-        if next(line for line in status.splitlines() if line.startswith("State:")).split()[1] in states:
+        tasks = sorted(Path(f"/proc/{pid}/task").iterdir()) if every_thread else [Path(f"/proc/{pid}")]
+        try:
+            found = [next(line for line in (task / "status").read_text().splitlines()
+                          if line.startswith("State:")).split()[1] for task in tasks]
+        except FileNotFoundError:  # a thread ended meanwhile
+            continue
+        if all(state in states for state in found):
             return True
         time.sleep(0.1)
     return False
