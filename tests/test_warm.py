@@ -271,25 +271,47 @@ def test_a_job_wide_sigterm_ends_the_runs_failed(served):
 
 def test_a_stopped_command_whose_server_dies_still_ends_its_runs(served):
     """Ctrl-Z, then the server is killed: the kernel hangs up the command's orphaned, stopped
-    group (SIGHUP, SIGCONT); the command ends as SIGTERM ends it, its run FAILED, not RUNNING."""
+    group (SIGHUP, SIGCONT); the command ends as SIGTERM ends it, its run FAILED, not RUNNING. The
+    command is one a terminal started, SIGHUP not ignored, whatever the suite runs under (`nohup
+    make test`: a command started ignoring SIGHUP rightly ignores it, as
+    test_a_client_killed_outright_takes_its_command_with_it shows)."""
     project = served
-    with long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as client:
+    with long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)) as client:
         parent = first_epoch_run(project, "single", client, timeout=300)
         assert parent is not None
         (server,) = servers_for(project)
         (fork,) = [pid for pid in children_of(server) if alive(pid)]
         client.send_signal(signal.SIGTSTP)
         assert wait_for_state(client.pid, "T") and wait_for_state(fork, "T", every_thread=True)
+        session = os.getsid(server)
         os.kill(server, signal.SIGKILL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and alive(fork):
             time.sleep(0.2)
-        assert not alive(fork)
+        assert not alive(fork), process_facts(fork, session)
         client.send_signal(signal.SIGCONT)
         _, stderr = client.communicate(timeout=60)
     assert client.returncode == 1 and "is not known" in stderr, stderr[-2000:]
     run = MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_run(parent.info.run_id)
     assert run.info.status == "FAILED"
+
+
+def process_facts(pid: int, session: int) -> str:
+    """What a process still alive is doing, for a failure's message: its state and signals, its
+    session and group against the server's session, its parent, and where each thread waits."""
+    try:
+        status = {line.split(":", 1)[0]: line.split(":", 1)[1].strip()
+                  for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line}
+        parent = int(status["PPid"])
+        threads = {task.name: (task / "wchan").read_text() + "/" + (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                   for task in Path(f"/proc/{pid}/task").iterdir()}
+        return (f"state {status['State']}, pending {status['SigPnd']}/{status['ShdPnd']}, blocked {status['SigBlk']}, "
+                f"ignored {status['SigIgn']}, caught {status['SigCgt']}; sid {os.getsid(pid)} pgid {os.getpgid(pid)} "
+                f"(server's sid {session}); parent {parent} sid {os.getsid(parent)} "
+                f"{Path(f'/proc/{parent}/cmdline').read_bytes()[:120]!r}; threads {threads}")
+    except (OSError, KeyError, ValueError) as exc:
+        return f"(gone or unreadable: {exc})"
 
 
 def wait_for_state(pid: int, *states: str, timeout: float = 20, every_thread: bool = False) -> bool:
