@@ -176,7 +176,9 @@ def small_shm(local_ranks: int, path: str = "/dev/shm") -> str | None:
 
 
 def ddp_layout(train) -> tuple[int, int]:
-    """(workers per node, nodes) of the DDP training that `train` (config.TrainConfig) starts."""
+    """(workers per node, nodes) of the DDP training that `train` (config.TrainConfig) starts. Under
+    Slurm with train.nproc 0 the job decides (train.sbatch: the GPUs Slurm gave a node, else 1):
+    1 here, the fewest it can be, so the checks before the job are a lower bound."""
     workers = train.nproc or (1 if train.launcher == "slurm" else default_nproc(train.device))
     return workers, train.nodes if train.launcher == "slurm" else 1
 
