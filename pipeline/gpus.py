@@ -109,7 +109,7 @@ def hidden(shown: int) -> str:
                 + ("no /dev/nvidiaN device file is here" if not files else "none of /dev/nvidiaN is open to this process")
                 + " (a Slurm job that asked for no GPU, or a container without them)")
     return (f"the NVIDIA driver shows {gpus}, but CUDA can use none of them (GPUs in MIG mode without a "
-            "GPU instance, or all of them in use in exclusive compute mode)")
+            "GPU instance)")
 
 
 @functools.cache
@@ -243,7 +243,7 @@ def runs_here(capability: tuple[int, int], archs: Sequence[str]) -> bool:
         built = RENAMED.get((int(digits) // 10, int(digits) % 10), (int(digits) // 10, int(digits) % 10))
         if built == capability:
             return True
-        if integrated or suffix == "a":
+        if integrated or suffix == "a" or built in INTEGRATED:  # an integrated GPU's kernels run on it alone
             continue
         if kind == "compute" and not suffix and built < capability:
             return True

@@ -4,6 +4,7 @@ commcheck as one torchrun a node (deploy/slurm/train.sbatch), single, dp and eva
 on one node (deploy/slurm/run.sbatch). `sbatch --wait`: the job writes into this directory, which
 the nodes share, so what it makes is here when sbatch returns."""
 
+import functools
 import os
 import secrets
 import shutil
@@ -59,10 +60,11 @@ def launcher(config: Config) -> str:
     return "local" if in_job() else config.train.launcher
 
 
+@functools.cache
 def partition_gpus() -> int | None:
     """The most GPUs a node of the job's partition holds, as Slurm's GRES say (sinfo): the partition
     SBATCH_PARTITION names (as sbatch reads it), else the default one. None where its nodes hold
-    none, or sinfo cannot say."""
+    none, or sinfo cannot say. Asked once a command: the check before a stage and its submission."""
     try:
         listed = subprocess.run(["sinfo", "--noheader", "--format", "%P %G"], capture_output=True, text=True,
                                 timeout=SLURM_PING_TIMEOUT_S).stdout

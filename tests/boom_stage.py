@@ -1,6 +1,8 @@
 """A stage with a bug in it, for tests/test_forkserver.py: the fork server imports this module
 first (its preload), and importing it makes `mnist-pipeline boom` a command of the server's CLI."""
 
+import os
+
 import click
 
 from stages import cli
@@ -12,7 +14,5 @@ cli.COMMANDS["boom"] = __name__
 @click.option("--abort", is_flag=True, help="Die of SIGABRT, as NCCL's watchdog takes a rank down.")
 def boom(abort: bool) -> None:
     if abort:
-        import os
-
         os.abort()
     print(1 / 0)
