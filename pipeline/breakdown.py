@@ -86,6 +86,12 @@ class StepClock:
         last = self.marks[max(self.marks)]
         return self.seconds(self.marks[step][0], last[-1]) if len(last) == self.PER_STEP else None
 
+    def seconds_between(self, step: int, end: int) -> float | None:
+        """Seconds from the start of step `step` to the start of step `end`; None unless both were stamped."""
+        if step not in self.marks or end not in self.marks:
+            return None
+        return self.seconds(self.marks[step][0], self.marks[end][0])
+
     def totals(self) -> dict[str, float]:
         """The epoch's seconds per phase, at full precision: a phase of microseconds a step (an
         optimizer step on a fast GPU) must not round to zero; round only where a person reads it.
@@ -206,6 +212,10 @@ class Probe:
         self.measure = False  # this epoch's window is measured (the last epoch's)
         self.first = self.traced = self.steps = self.measured = self.trace_start = 0
         self.window_steps: list[int] = []  # this epoch's measured steps, in order
+        # DDP's comm hook, once attached, runs (in Python) on every later step: it waits for the last
+        # window, so the other windows and the steady throughput before it time DDP as it runs unwatched.
+        self.hook_from = 0
+        self.steady_end = 0  # the steady throughput's steps end here (the epoch's end, or the hook)
         self.in_windows: set[int] = set()
         self.windows = 0
         self.step = 0
@@ -245,6 +255,10 @@ class Probe:
             self.window_steps += range(start, start + self.measured)
         self.windows = 1 + more if self.measured else 0
         self.in_windows = set(self.window_steps)
+        # With one window the hook times it all (its steps and the steady ones carry the hook's cost).
+        self.hook_from = self.window_steps[-self.measured] if self.windows > 1 else self.first
+        alone = self.windows > 1 and self.hook_from > self.warmup
+        self.steady_end = self.hook_from if alone else steps
 
     def in_window(self, step: int) -> bool:
         return step in self.in_windows
@@ -260,9 +274,10 @@ class Probe:
             self.overhead_s += time.perf_counter() - started
         window = self.in_window(step)
         if self.comm is not None:
-            if window and not self.comm.attached:
+            hooked = window and step >= self.hook_from
+            if hooked and not self.comm.attached:
                 self.comm.attach()
-            self.comm.step = step if window else None
+            self.comm.step = step if hooked else None
         self.dp_parts["recording"] = window
         # The steady time runs from the first step after the warm-up to the end of the epoch's last.
         self.clock.start_step(step, stamped=window or step in (self.warmup, self.steps - 1) or not self.clock.cuda)
@@ -324,24 +339,42 @@ class Probe:
         pairs = [(last[a], last[b]) for a, b in zip(steps, steps[1:]) if b == a + 1]
         return {"pre_sync_compute_s": [self.clock.seconds(a[1], b[0]) for a, b in pairs]}
 
+    def steady_seconds(self) -> float | None:
+        """The steady throughput's time: from the first step after the warm-up to the end of the
+        epoch, or to the comm hook's first step when it has a window of its own."""
+        if self.steady_end < self.steps:
+            return self.clock.seconds_between(self.warmup, self.steady_end)
+        return self.clock.seconds_since_step(self.warmup)
+
     def results(self) -> dict | None:
         """This epoch's window, per step and as medians (call before clock.totals())."""
         if not self.measured:
             return None
-        steps = []
+        rows = {}
         for step in self.window_steps:
             marks = self.clock.step_marks(step)
             phases = [self.clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
             comm = [(self.clock.seconds(marks[0], handed), self.clock.seconds(marks[0], done))
                     for at, _, _, handed, done in (self.comm.calls if self.comm else ()) if at == step]
-            row = step_breakdown(phases, comm)
-            steps.append(row)
-        out: dict[str, Any] = {"first_step": self.first, "steps": len(steps), "windows": self.windows,
-                               "median_s": {key: statistics.median(row[key] for row in steps) for key in steps[0]},
+            rows[step] = step_breakdown(phases, comm)
+        # DDP with windows to spare: the step times come from the windows without the hook, its
+        # communication from the last window, which has it.
+        apart = self.comm is not None and self.windows > 1
+        steps = [row for step, row in rows.items() if not apart or step < self.hook_from]
+        hooked = [row for step, row in rows.items() if step >= self.hook_from] if apart else steps
+        median = {key: statistics.median(row[key] for row in steps) for key in steps[0]}
+        if apart:
+            for key in ("comm", "comm_overlapped", "comm_exposed"):
+                median[key] = statistics.median(row[key] for row in hooked)
+            median["backward_compute"] = median["backward"] - median["comm_exposed"]
+            median["compute"] = median["step"] - median["comm_exposed"]
+        out: dict[str, Any] = {"first_step": self.first, "steps": len(steps),
+                               "windows": self.windows - 1 if apart else self.windows,
+                               "hooked_steps": len(hooked) if self.comm else 0, "median_s": median,
                                # Each measured step's seconds, in order: pipeline.spread's intervals.
                                "step_s": [row["step"] for row in steps]}
-        comm_total = sum(row["comm"] for row in steps)
-        out["comm_overlap_fraction"] = (sum(row["comm_overlapped"] for row in steps) / comm_total
+        comm_total = sum(row["comm"] for row in hooked)
+        out["comm_overlap_fraction"] = (sum(row["comm_overlapped"] for row in hooked) / comm_total
                                         if self.comm and comm_total > 0 else None)
         if self.comm:
             out["buckets"] = self.bucket_layout()

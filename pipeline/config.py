@@ -82,6 +82,9 @@ class TrainConfig:
     # slurm: CPU cores the job asks for per worker (sbatch --cpus-per-task = this x workers a node):
     # without it a site that gives a job one core unless asked puts every worker on that core.
     cpus_per_rank: int = field(default=4, metadata=_at_least(1))
+    # slurm: memory the job asks for per worker, in GB (sbatch --mem = this x workers a node): a
+    # site's default memory per CPU can be too small for CUDA workers, which it then kills.
+    mem_per_rank_gb: float = field(default=8.0, metadata=_positive())
     # auto: the GPUs when there are any, else the CPU. cuda: GPUs or a clear error (a Slurm job asks
     # for them); cpu: the CPU even where GPUs are.
     device: str = field(default="auto", metadata=_rule(lambda v: v in DEVICES, f"one of {DEVICES}"))

@@ -305,10 +305,10 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         rank_loss = loss_sum.item() / max(1, rank_samples)
         # Steady state: the steps after the warm-up (cuDNN/cuBLAS handles, algorithm choice, lazy
         # kernel loading, DDP's bucket rebuild), which on a fast GPU dominate a short epoch.
-        steady_wall = probe.clock.seconds_since_step(config.throughput_warmup_steps)
+        steady_wall = probe.steady_seconds()
         # The profiler's own start, stop and export ran in the steady steps, unless before them.
         steady_traced = probe.traced and probe.trace_start >= config.throughput_warmup_steps
-        steady_samples = sum(shares[config.throughput_warmup_steps:])
+        steady_samples = sum(shares[config.throughput_warmup_steps:probe.steady_end])
         # Each step's loss sum rides along in the epoch's one all_reduce: the loss curve of the
         # global batches (loss_windows), the same in every mode.
         sums = all_sum(torch.cat([torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples),
@@ -345,7 +345,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
                                      if None not in steady_times and max(steady_times) > 0 else None),
             "steady_time_s": max(steady_times) if None not in steady_times else None,
             "epoch_time_s": max(epoch_times),
-            "steady_steps": max(0, steps - config.throughput_warmup_steps),
+            "steady_steps": max(0, probe.steady_end - config.throughput_warmup_steps),
             # Cores other processes kept busy on the busiest host meanwhile (pipeline.hostload).
             "host_load": hostload.others(list(hosts), max(walls)),
             # The one-cycle schedule's rate at the epoch's end (its peak is train.lr).

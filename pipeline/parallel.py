@@ -83,9 +83,10 @@ def restarted_by_torchrun() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
-def pick_device(rank: Rank, wanted: str = "auto") -> torch.device:
+def pick_device(rank: Rank, wanted: str = "auto", every_gpu: bool = False) -> torch.device:
     """One process per device: CUDA device `local_rank` when CUDA is present (`wanted`: auto or
-    cuda), else the CPU (auto or cpu). `cuda` without a visible GPU is an error, not a silent CPU run."""
+    cuda), else the CPU (auto or cpu). `cuda` without a visible GPU is an error, not a silent CPU run.
+    `every_gpu`: the process uses all the visible GPUs (DataParallel), so each must run these kernels."""
     if wanted == "cpu" or not gpus.gpus_as_wanted(wanted, f"rank {rank.rank}"):
         return torch.device("cpu")
     count = gpus.cuda_device_count()
@@ -94,7 +95,7 @@ def pick_device(rank: Rank, wanted: str = "auto") -> torch.device:
             f"rank {rank.rank}: local rank {rank.local_rank} has no GPU (this node has {count}); "
             f"start at most {count} workers per node (train.nproc or torchrun --nproc-per-node)"
         )
-    gpus.check_capabilities(f"rank {rank.rank}", [rank.local_rank])
+    gpus.check_capabilities(f"rank {rank.rank}", range(count) if every_gpu else [rank.local_rank])
     torch.cuda.set_device(rank.local_rank)
     return torch.device("cuda", rank.local_rank)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import re
 import subprocess
@@ -177,12 +178,21 @@ def software() -> dict[str, str]:
             "nccl_version": nccl, "cpu_model": cpu_model(), **image()}
 
 
+def nccl_environment(environ: Mapping[str, str] = os.environ) -> str:
+    """NCCL's settings from the environment, "K=V; ..." or "none". Each may change its algorithm,
+    protocol, channels or transport, and so how a sum rounds (NCCL_ALGO, NCCL_PROTO, NCCL_P2P_LEVEL,
+    ...); its log settings (NCCL_DEBUG*) cannot. The topology NCCL then picks is only in its log."""
+    return "; ".join(f"{key}={value}" for key, value in sorted(environ.items())
+                     if key.startswith("NCCL_") and not key.startswith("NCCL_DEBUG")) or "none"
+
+
 def gpus() -> dict[str, str]:
-    """On a CUDA device: the driver and the visible GPUs' names (CUDA is initialised by then)."""
+    """On a CUDA device: the driver, the visible GPUs' names (CUDA is initialised by then) and
+    NCCL's settings (DDP's all-reduce, and DataParallel's broadcast and reduce, run on NCCL)."""
     import torch
 
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return {"gpu_names": ", ".join(names), "driver_version": driver_version()}
+    return {"gpu_names": ", ".join(names), "driver_version": driver_version(), "nccl_env": nccl_environment()}
 
 
 def inputs(params: Mapping[str, Any], data_dir: Path) -> dict[str, str]:

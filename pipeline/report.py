@@ -220,7 +220,10 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
                f"({first['windows']} window(s) of train.breakdown_steps spread over the steps after the "
                f"warm-up, train.breakdown_repeats); in brackets, 95% bootstrap intervals (the windows "
                f"resampled, then the steps in each), the speed-up's from both modes' steps; they hold the "
-               f"spread within one training, not between two")
+               f"spread within one training, not between two"
+               + (". DDP's comm timer, a hook that stays once attached, has the last window to itself: DDP's "
+                  "step times come from the others, and every mode's samples/s after warm-up ends where that "
+                  "window starts" if first["windows"] > 1 and any(row["mode"] == "ddp" for row in rows) else ""))
     else:
         how = ("Speed-up is samples/s over the single-device baseline"
                + (f", both after each epoch's first {first['warmup_steps']} steps (the warm-up: library handles, "

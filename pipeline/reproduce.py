@@ -33,7 +33,7 @@ BIT_FOR_BIT = "reproduced bit for bit"
 # What the record says about where and from what a run was made: each one that differs between the
 # run and its reproduction is named in the verdict.
 COMPARED = ("python_version", "torch_version", "cuda_version", "cudnn_version", "nccl_version", "cpu_model",
-            "gpu_names", "driver_version", "device_type", "world_size", "backend", "code_sha256", "params_sha256",
+            "gpu_names", "driver_version", "nccl_env", "device_type", "world_size", "backend", "code_sha256", "params_sha256",
             "requirements_lock_sha256", "data_sha256", "image_base", "image_source_commit")
 PARAMS_ARTIFACT = "params.yaml"  # on the parent run: the params file as the training read it
 PREPARED = Path("data/prepared")  # where `dvc repro` prepares the data and trains from it

@@ -13,9 +13,12 @@ in every all-reduce, so a step, from one all-reduce's end to the next's, is the 
 rank slowest to hand its last bucket over, plus that exposed communication.
 
 DataParallel (one process, several GPUs): the forward is scatter + replicate + replicas + gather,
-each measured on GPU 0's stream (so the other GPUs' replicas, when slower, show up in gather); at N GPUs replicate grows with N, the replicas' compute shrinks with the per-GPU
-batch, scatter and gather move the same bytes. The backward (with the gradient reduce onto GPU 0)
-and the optimizer are kept as measured.
+each measured on GPU 0's stream. So "replicas" is GPU 0's replica, and gather holds the wait for
+the other GPUs' replicas where they end later: gather's time beyond scatter's (which moves the
+input batch, more bytes than the outputs gather brings back) counts as replica compute. At N GPUs
+replicate grows with N, the replicas' compute (that wait included) shrinks with the per-GPU batch,
+scatter and the rest of gather move the same bytes. The backward (with the gradient reduce onto
+GPU 0) and the optimizer are kept as measured.
 """
 
 from __future__ import annotations
@@ -150,8 +153,9 @@ def project_dp(breakdown: dict, devices: int) -> dict | None:
     parts = {part: rank["dp_median_s"].get(part, 0.0) for part in ("scatter", "replicate", "replicas", "gather")}
     if n < 2:  # one GPU: DataParallel calls the module itself, there is nothing to scale from
         return None
-    step = (m["data"] + parts["scatter"] + parts["replicate"] * devices / n + parts["replicas"] * n / devices
-            + parts["gather"] + m["backward"] + m["optimizer"])
+    waited = max(0.0, parts["gather"] - parts["scatter"])  # the other GPUs' replicas, ending after GPU 0's
+    step = (m["data"] + parts["scatter"] + parts["replicate"] * devices / n
+            + (parts["replicas"] + waited) * n / devices + parts["gather"] - waited + m["backward"] + m["optimizer"])
     return {"link": "one machine", "devices": devices, "step_s": step,
             "samples_per_s": breakdown["batch_size"] / step, "global_batch": breakdown["batch_size"]}
 

@@ -36,6 +36,7 @@ from tests.conftest import make_project, project_env, subprocess_env  # noqa: E4
 
 TARGET_ACCURACY = 0.99
 MODES = ("single", "dp", "ddp")
+HOOK_COST = "comm timer's cost (benchmarks/comm_hook_cost.py)"
 # Every mechanism that runs only on NVIDIA GPUs, and the check here that proves it (a test of
 # tests/test_cuda.py, or a row of the pipeline run). What the CPU can model of each is in the suite.
 MECHANISMS = [
@@ -59,6 +60,7 @@ MECHANISMS = [
     ("the driver floor (CUDA 13.0 wheels: driver 580 or newer)", "the first lines: an older driver fails here"),
     ("GPUs these wheels have kernels for (compute capability)", "the first lines: sm_70 and older fail here"),
     ("the driver version read from /proc/driver/nvidia/version", "test_the_driver_version_is_recorded_as_the_driver_says"),
+    ("DDP's comm timer on NCCL: its cost a step, kept out of the step times", HOOK_COST),
 ]
 
 
@@ -182,6 +184,23 @@ def deterministic_cost(project: Path, mnist: Path) -> tuple[str, str, str]:
                             "the time per sample with it on")
 
 
+def hook_cost(work: Path) -> tuple[str, str, str]:
+    """What DDP's comm timer (a Python hook on each bucket) costs a step over NCCL against DDP's
+    built-in all-reduce: the cost the breakdown keeps out of DDP's step times and steady
+    throughput by hooking only its last window."""
+    out = work / "hook-cost.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks/comm_hook_cost.py"), "--device", "cuda",
+                             "--repeats", "3", "--json", str(out)], cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        print(result.stderr[-4000:])
+        return (HOOK_COST, "FAILED", f"exit code {result.returncode}")
+    figures = json.loads(out.read_text())
+    arms = figures["arms"]
+    base = arms["built-in all-reduce"]["median_step_s"]
+    return (HOOK_COST, "passed", f"{figures['ranks']} ranks: built-in {base * 1000:.3f} ms a step; hook idle "
+            f"{arms['timer hook, idle']['ratio']:.3f}x, recording {arms['timer hook, recording']['ratio']:.3f}x")
+
+
 def main() -> int:
     try:  # GPUs the driver shows but CUDA cannot use (a driver too old for these wheels, GPUs they
         # have no kernels for): say so, fail
@@ -197,10 +216,11 @@ def main() -> int:
         rows = run_cuda_tests(Path(tmp) / "cuda-tests.xml")
         if torch.cuda.is_available():
             rows += run_default_pipeline(Path(tmp), mnist)
+            rows.append(hook_cost(Path(tmp)))
         else:
             rows += [(name, "skipped", "no CUDA device on this host")
                      for name in ("dvc repro (default params, all of MNIST)",
-                                  "train.deterministic cost (single, all of MNIST)")]
+                                  "train.deterministic cost (single, all of MNIST)", HOOK_COST)]
     print("\nCUDA-only mechanisms and the checks that prove them:")
     for mechanism, check in MECHANISMS:
         print(f"  {mechanism:<70} {check}")

@@ -21,7 +21,8 @@
 #   NVIDIA_DRIVER_CAPABILITIES=compute,utility, PATH with /usr/local/nvidia/bin:/usr/local/cuda/bin,
 #   LD_LIBRARY_PATH=/usr/local/nvidia/lib:/usr/local/nvidia/lib64.
 #   Not reproduced: Ubuntu itself (Debian bookworm instead: Ubuntu's archive is not reachable here),
-#   so apt installs Python 3.11 where Ubuntu 24.04 installs 3.12; NVIDIA's apt repository and the
+#   so apt installs Python 3.11 where Ubuntu 24.04 installs 3.12 (the last step installs the lock
+#   under a 3.12 of this host instead: scripts/lock-under-python.sh); NVIDIA's apt repository and the
 #   cuda-cudart and cuda-compat packages under /usr/local/cuda (no GPU here to use them); the
 #   driver libraries the NVIDIA container toolkit mounts at run time.
 set -euo pipefail
@@ -220,25 +221,39 @@ assert (tags["image_base"], tags["image_source_commit"]) == (facts["base"], fact
 print(f"run {runs[0].info.run_id} FINISHED on the host's server, tagged with the image it ran in")
 PY
 
-step "the same weights in the image and in this host's venv: single on the small slice, both on this CPU"
+step "the same weights in the image, in this host's venv and with the lock under Python 3.12: single on the small slice, all on this CPU"
 host="$work/host-checkout"
 rm -rf "$host" && mkdir -p "$host"
 git ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$host"
 cp "$checkout/params.yaml" "$host/params.yaml"
 (cd "$host" && MNIST_SOURCE="$mnist" "$root/.venv/bin/mnist-pipeline" prepare \
     && "$root/.venv/bin/mnist-pipeline" train --mode single)
-"$root/.venv/bin/python" - "$checkout" "$host" <<'PY'
-import sys
+# The real base's python3 is 3.12, the stand-in's 3.11: the lock under 3.12 too, on this host.
+set +e
+py312=$(MNIST_SOURCE="$mnist" bash scripts/lock-under-python.sh "$checkout" "$work" 3.12)
+status=$?
+set -e
+case $status in
+    0) ;;
+    2) echo "image-check: the lock under Python 3.12 NOT checked: no Python 3.12 on this host" >&2; py312= ;;
+    *) echo "image-check: the lock under Python 3.12 failed (scripts/lock-under-python.sh exit $status)" >&2; exit 1 ;;
+esac
+"$root/.venv/bin/python" - "$checkout" "$host" "$py312" <<'PY'
+import platform, sys
 from pathlib import Path
 from pipeline import record
-image, host = (Path(p) for p in sys.argv[1:])
+image, host = (Path(p) for p in sys.argv[1:3])
 rows = [(name, record.files_digest(p / "data/prepared"), record.saved_weights_digest(p / "models/single/model.pt"))
-        for name, p in (("image", image), ("host venv", host))]
-print(f"{'trained in':<10}  {'prepared data (sha256)':<64}  weights of single (sha256)")
+        for name, p in (("image", image), (f"host venv, Python {platform.python_version()}", host))]
+if sys.argv[3]:  # "VERSION DATA WEIGHTS" from scripts/lock-under-python.sh
+    version, data, weights = sys.argv[3].split()
+    rows.append((f"lock under Python {version}", data, weights))
+print(f"{'trained in':<28}  {'prepared data (sha256)':<64}  weights of single (sha256)")
 for name, data, weights in rows:
-    print(f"{name:<10}  {data}  {weights}")
-assert rows[0][1] == rows[1][1], "the prepared data differ: prepare is not the same in the image"
-assert rows[0][2] == rows[1][2], "the weights differ: the image changes the result on this CPU"
+    print(f"{name:<28}  {data}  {weights}")
+for name, data, weights in rows[1:]:
+    assert data == rows[0][1], f"the prepared data differ ({name}): prepare is not the same in the image"
+    assert weights == rows[0][2], f"the weights differ ({name}): the result changes on this CPU"
 print("the same data and the same weights, bit for bit")
 PY
 step "image check passed"

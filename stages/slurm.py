@@ -110,6 +110,14 @@ def cpu_request(config: Config, job: Job, gpus: int | None) -> list[str]:
     return ["--cpus-per-task", str(config.train.cpus_per_rank * (gpus or job.devices or 1))]
 
 
+def memory_request(config: Config, job: Job, gpus: int | None) -> list[str]:
+    """sbatch's memory request, per node: train.mem_per_rank_gb for each of its devices. Unasked,
+    a job gets the site's DefMemPerCPU (or DefMemPerNode), which can be far too little for CUDA
+    workers: the job is killed for memory with nothing wrong in the training."""
+    megabytes = max(1, round(config.train.mem_per_rank_gb * 1024 * (gpus or job.devices or 1)))
+    return ["--mem", f"{megabytes}M"]
+
+
 def check_ready(config: Config, job: Job) -> None:
     """Everything about the submission that can fail, checked before a stage changes anything:
     sbatch and the batch script are here, the GPU request can be made, and Slurm's controller answers."""
@@ -147,7 +155,7 @@ def submit(config: Config, command: list[str], log_dir: Path, job: Job) -> None:
     output = log_dir / "slurm-%j.out"
     click.echo(f"{command[0]}: submitting to Slurm ({job.nodes} node(s)), waiting; log: {output}")
     sbatch = ["sbatch", "--wait", "--parsable", "--job-name", name, "--nodes", str(job.nodes), "--output", str(output),
-              *gpu_request(gpus), *cpu_request(config, job, gpus), str(job.script), *command]
+              *gpu_request(gpus), *cpu_request(config, job, gpus), *memory_request(config, job, gpus), str(job.script), *command]
     with subprocess.Popen(sbatch, env=env, stdout=subprocess.PIPE, text=True) as sbatch_process:
         try:
             job_id = sbatch_process.stdout.readline().strip().split(";")[0]  # said at submission

@@ -158,7 +158,7 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
     use_deterministic_algorithms(config.train.deterministic)  # before any CUDA work
     if not config.train.bf16:
         float32_means_float32()
-    device = parallel.pick_device(rank, config.train.device)
+    device = parallel.pick_device(rank, config.train.device, every_gpu=mode == "dp")
     if mode == "ddp" and device.type == "cpu":
         parallel.limit_cpu_threads(rank)
     if config.tracking.enabled:

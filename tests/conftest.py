@@ -246,7 +246,7 @@ def project_env(project: Path, **extra: str) -> dict[str, str]:
 
 SMALL = {"data": {"train_limit": 1100, "val_size": 100},
          "commcheck": {"max_bytes": 65536, "iters": 3},
-         "train": {"epochs": 2, "batch_size": 100, "nproc": 2},
+         "train": {"epochs": 2, "batch_size": 100, "nproc": 2, "mem_per_rank_gb": 0.5},  # Slurm's test nodes: 2000 MB
          "evaluate": {"min_test_accuracy": 0.5}}  # about 80% after 20 steps on 1000 images
 
 

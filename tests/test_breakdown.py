@@ -68,7 +68,22 @@ def test_a_bucket_ready_early_hides_its_all_reduce_behind_the_backward():
     assert exposed == pytest.approx(0.00002 + 0.002 - 0.0001)
 
 
-def _train(r: int, world: int, out: str, breakdown_steps: int) -> None:
+@pytest.mark.fast
+def test_dataparallel_s_gather_wait_for_the_other_replicas_shrinks_with_their_batch():
+    """Stamps on GPU 0's stream: a gather longer than the scatter waited for slower replicas on
+    the other GPUs, compute that halves at twice the GPUs; the scatter-sized rest stays."""
+    def breakdown(gather: float) -> dict:
+        rank = {"median_s": {"data": 0.0, "backward": 0.0, "optimizer": 0.0, "step": 1.0},
+                "dp_median_s": {"scatter": 0.1, "replicate": 0.0, "replicas": 0.4, "gather": gather}}
+        return {"mode": "dp", "dp_devices": 2, "batch_size": 128, "ranks": [rank]}
+
+    # Gather as long as scatter: nothing waited; the replicas halve (0.4 -> 0.2).
+    assert scaling.project_dp(breakdown(0.1), 4)["step_s"] == pytest.approx(0.1 + 0.2 + 0.1)
+    # 0.3 of gather was GPU 1's replica finishing after GPU 0's: it halves with them.
+    assert scaling.project_dp(breakdown(0.4), 4)["step_s"] == pytest.approx(0.1 + (0.4 + 0.3) / 2 + 0.1)
+
+
+def _train(r: int, world: int, out: str, breakdown_steps: int, repeats: int = 1) -> None:
     from pipeline import breakdown
     from pipeline.loop import Training, train, weight_checksum
     from pipeline.parallel import Rank
@@ -82,13 +97,14 @@ def _train(r: int, world: int, out: str, breakdown_steps: int) -> None:
 
     breakdown.CommTimer.hook = counted
     config = dataclasses.replace(train_config(60), breakdown_steps=breakdown_steps, trace_steps=2,
-                                 throughput_warmup_steps=2)
+                                 throughput_warmup_steps=2, breakdown_repeats=repeats)
     folder = rank_dir(Path(out), r)
     model, history = train(Training(config, "ddp", Rank(r, r, world, world), torch.device("cpu"), folder),
                            learnable_data(60 * 12), learnable_data(30, seed=1))
     result = {"checksum": weight_checksum(model), "breakdown": history[-1].get("breakdown"),
-              "trace": sorted(p.name for p in (folder / "traces").glob("*.json")), "hooked_steps": hooked_steps}
-    (folder / f"result-{breakdown_steps}.json").write_text(json.dumps(result))
+              "trace": sorted(p.name for p in (folder / "traces").glob("*.json")), "hooked_steps": hooked_steps,
+              "steady_steps": history[-1]["steady_steps"]}
+    (folder / f"result-{breakdown_steps}-{repeats}.json").write_text(json.dumps(result))
 
 
 class ModelCudaEvent:
@@ -139,6 +155,11 @@ def test_on_a_gpu_only_the_steps_that_are_read_record_events(monkeypatch):
     assert since_warmup > since_window_end > 0
     assert probe.clock.seconds_since_step(7) is None and probe.clock.totals() == {}
     assert epoch(2, measure=False) == 5 and probe.clock.seconds_since_step(2) is None  # no steady step
+    # Two windows (2-3 and 10-11): DDP's hook waits for the last, and the steady time ends where it
+    # starts, a step that is stamped anyway.
+    probe = Probe(torch.device("cuda"), window=2, warmup=2, repeats=2)
+    assert epoch(12, measure=True) == 4 * 5 and (probe.hook_from, probe.steady_end) == (10, 10)
+    assert 0 < probe.steady_seconds() < probe.clock.seconds_since_step(2)
 
 
 def kineto_trace(path: Path, devices: int) -> Path:
@@ -176,21 +197,31 @@ def test_ddp_ranks_measure_their_buckets_and_trace_at_an_odd_world_size(tmp_path
     rank's trace holds gloo's all-reduce beside the phases."""
     from pipeline.model import build_model
 
-    for steps in (0, 6):
-        run_ranks(3, _train, str(tmp_path), steps)
-    results = [[json.loads((tmp_path / f"rank-{r}" / f"result-{steps}.json").read_text()) for r in range(3)]
-               for steps in (0, 6)]
-    off, on = results
-    assert {r["checksum"] for r in off} == {r["checksum"] for r in on} and len({r["checksum"] for r in on}) == 1
+    settings = ((0, 1), (6, 1), (3, 2))  # (breakdown_steps, breakdown_repeats)
+    for steps, repeats in settings:
+        run_ranks(3, _train, str(tmp_path), steps, repeats)
+    off, on, apart = [[json.loads((tmp_path / f"rank-{r}" / f"result-{s}-{n}.json").read_text()) for r in range(3)]
+                      for s, n in settings]
+    checksums = {r["checksum"] for r in off + on + apart}
+    assert len(checksums) == 1, checksums
     assert off[0]["breakdown"] is None
-    # The hook (Python on the gradients' path) runs from the window's first step (2, after the
-    # warm-up) to the end, one bucket a step; before it, and with the breakdown off, DDP's own.
+    # The hook (Python on the gradients' path) runs from its window's first step to the end, one
+    # bucket a step; before it, and with the breakdown off, DDP's own. With one window (steps 2 to
+    # 7, after the warm-up) that is the window; with two (2 to 4, then 9 to 11, after the trace)
+    # the last, so the first window's steps and the steady throughput (2 to 8) run without it.
     assert [r["hooked_steps"] for r in off] == [[]] * 3
     assert [r["hooked_steps"] for r in on] == [[2, 3, 4, 5, 6, 7] + [None] * 4] * 3
+    assert [r["hooked_steps"] for r in apart] == [[9, 10, 11]] * 3
+    assert [r["steady_steps"] for r in off + on + apart] == [10] * 6 + [7] * 3
+    for r, result in enumerate(apart):
+        rank = result["breakdown"][r]
+        assert (rank["steps"], rank["windows"], rank["hooked_steps"], len(rank["step_s"])) == (3, 1, 3, 3)
+        assert rank["median_s"]["comm"] > 0 and rank["buckets"] and rank["pre_sync_compute_s"]
+        assert rank["median_s"]["compute"] == pytest.approx(rank["median_s"]["step"] - rank["median_s"]["comm_exposed"])
     gradient_bytes = sum(p.numel() * 4 for p in build_model("small").parameters())
     for r, result in enumerate(on):
         ranks = result["breakdown"]
-        assert len(ranks) == 3 and ranks[r]["steps"] == 6
+        assert len(ranks) == 3 and ranks[r]["steps"] == 6 and ranks[r]["hooked_steps"] == 6
         median = ranks[r]["median_s"]
         assert median["comm"] > 0 and 0 <= median["comm_exposed"] <= median["comm"]
         assert [b["bytes"] for b in ranks[r]["buckets"]] == [gradient_bytes]  # under DDP's first 1 MiB bucket

@@ -299,3 +299,10 @@ def test_gpus_the_wheels_have_no_kernels_for_are_refused_at_the_start(monkeypatc
     with pytest.raises(PipelineError, match=r"^rank 0: cuda:1 \(Tesla V100-SXM2-32GB\) has compute capability 7\.0, "
                                             r"and this torch .* has no kernels for it \(built for sm_75 .* sm_120\)"):
         gpus.check_capabilities("rank 0", [0, 1])
+    # DataParallel's process runs kernels on every GPU: each is checked, not only its own.
+    monkeypatch.setattr(gpus, "gpus_as_wanted", lambda wanted, who: True)
+    monkeypatch.setattr(gpus, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    assert parallel.pick_device(Rank(), "auto") == torch.device("cuda", 0)
+    with pytest.raises(PipelineError, match=r"^rank 0: cuda:1 \(Tesla V100-SXM2-32GB\)"):
+        parallel.pick_device(Rank(), "auto", every_gpu=True)

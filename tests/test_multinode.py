@@ -486,8 +486,9 @@ def test_dvc_repro_submits_ddp_to_slurm_and_an_interrupted_job_continues_on_the_
     # Each job meets at a port of its own (from its id), so two jobs sharing a node do not collide.
     ports = [int(re.search(r"rendezvous node-a \([\d.]+:(\d+)\)", job).group(1)) for job in (crashed_job, resumed_job)]
     assert ports == [20000 + int(p.stem.split("-")[1]) % 10000 for p in logs] and ports[0] != ports[1], ports
-    # train.device: auto asks for train.nproc GPUs where the partition holds them; train.cpus_per_rank for each
-    assert "GPUs per node: 1, CPUs per node: 1" in resumed_job
+    # train.device: auto asks for train.nproc GPUs where the partition holds them; train.cpus_per_rank
+    # and train.mem_per_rank_gb (0.5: 512 MB) for each
+    assert "GPUs per node: 1, CPUs per node: 1, memory per node: 512 MB" in resumed_job
     assert not (project / "models/ddp/unfinished.json").exists()
     summary = json.loads((project / "results/train/ddp.json").read_text())
     assert (summary["nodes"], summary["procs_per_node"]) == (2, 1)
@@ -521,7 +522,8 @@ def test_a_gpu_training_asks_slurm_for_its_gpus_and_fails_clearly_where_none_is_
     (job_log,) = sorted((project / "models/ddp/logs").glob("slurm-*.out"))
     log = job_log.read_text()
     assert proc.returncode != 0 and "Slurm job" in proc.stderr, proc.stderr[-3000:]
-    assert "GPUs per node: 1, CPUs per node: 2" in log, log[-3000:]  # CPUs too: train.cpus_per_rank x nproc
+    # CPUs and memory too: train.cpus_per_rank and train.mem_per_rank_gb (0.5) x nproc
+    assert "GPUs per node: 1, CPUs per node: 2, memory per node: 512 MB" in log, log[-3000:]
     assert "train.device is cuda, but no GPU is visible" in log, log[-3000:]
     # single trains on a node like DDP's, with one GPU of its own.
     proc = hosts[0].run(["mnist-pipeline", "train", "--mode", "single"], cwd=project, env=env,

@@ -271,3 +271,28 @@ def test_the_software_facts_never_initialise_cuda(tmp_path):
     assert done.stdout.splitlines()[-1] == "calls: []", done.stdout
     assert "cudnn_version" in done.stdout and "nccl_version" in done.stdout
     assert "cuInit" not in (log.read_text().split() if log.exists() else [])
+
+
+@pytest.mark.fast
+def test_a_gpu_run_records_nccl_s_settings_and_a_reproduction_names_a_change(monkeypatch):
+    """NCCL_ALGO, NCCL_PROTO and the like change how NCCL sums (so the weights' last bits); its
+    log settings do not. A GPU run's record holds them, and the verdict names one that changed."""
+    import os
+
+    import torch
+
+    from pipeline.reproduce import facts_that_differ
+
+    for key in [k for k in os.environ if k.startswith("NCCL_")]:
+        monkeypatch.delenv(key)
+    assert record.nccl_environment() == "none"
+    monkeypatch.setenv("NCCL_PROTO", "Simple")
+    monkeypatch.setenv("NCCL_ALGO", "Tree")
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("NCCL_DEBUG_SUBSYS", "INIT")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA H100 80GB HBM3")
+    facts = record.gpus()
+    assert facts["nccl_env"] == "NCCL_ALGO=Tree; NCCL_PROTO=Simple"
+    remade = dict(facts, nccl_env="none")
+    assert facts_that_differ(facts, remade) == ["nccl_env NCCL_ALGO=Tree; NCCL_PROTO=Simple -> none"]
