@@ -20,4 +20,47 @@ def _only_this_projects_code() -> None:
             sys.meta_path.remove(finder)
 
 
+def _record_imports() -> None:
+    """Keep the sha256 of each `pipeline` and `stages` source file as this process imports it
+    (pipeline.record.check_code_as_imported): a run records the files on disk, which an editor may
+    have saved since the imports (a fork server imports long before its workers record)."""
+    import hashlib
+    import importlib.machinery
+    import sys
+
+    imported: dict[str, str] = {}
+
+    def digest(path: str) -> str | None:
+        try:
+            with open(path, "rb") as handle:
+                return hashlib.sha256(handle.read()).hexdigest()
+        except OSError:
+            return None
+
+    class Recorder:
+        @staticmethod
+        def find_spec(name, path, target=None):
+            if name.partition(".")[0] not in ("pipeline", "stages"):
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            loader = getattr(spec, "loader", None)
+            if spec is not None and (spec.origin or "").endswith(".py") and hasattr(loader, "exec_module"):
+                run = loader.exec_module
+
+                def exec_module(module, _run=run, _origin=spec.origin):
+                    imported[_origin] = digest(_origin)  # the bytes as the module runs them (or its .pyc of them)
+                    _run(module)
+
+                loader.exec_module = exec_module
+            return spec
+
+    for name, module in list(sys.modules.items()):  # this package, and whatever imported it
+        origin = getattr(module, "__file__", None)
+        if name.partition(".")[0] in ("pipeline", "stages") and origin and origin.endswith(".py"):
+            imported.setdefault(origin, digest(origin))
+    sys.meta_path.insert(0, Recorder())
+    sys.modules[__name__].IMPORTED_SOURCES = imported
+
+
 _only_this_projects_code()
+_record_imports()

@@ -3,7 +3,6 @@ the same run, and the record that tells an interrupted training from a finished 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import torch
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.parallel import Rank, all_gather_objects, broadcast_object
+from pipeline.record import code_file_digests, file_digest
 from pipeline.unfinished import UNFINISHED_FILE
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -105,18 +105,28 @@ def resume_state(path: Path, expected: dict[str, Any], asked: bool, restarted: b
     return None
 
 
-def inputs_digest(data_dir: Path, code_dirs: list[Path]) -> str:
-    """What decides a training besides its settings: the prepared data and the code. An interrupted
-    training goes on by itself only if these are as they were when it started."""
-    digest = hashlib.md5()
-    files = sorted(data_dir.glob("*.pt")) + sorted(f for folder in code_dirs for f in folder.glob("*.py"))
-    for path in files:
-        digest.update(f"{path.parent.name}/{path.name}\0".encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
+def inputs_snapshot(data_dir: Path, code_dirs: list[Path]) -> dict[str, dict[str, str]]:
+    """What decides a training besides its settings, file by file: the code (each Python file of
+    the packages) and the prepared data. A training goes on, and its outputs are recorded, only if
+    these are as they were when it started."""
+    data = {str(path): file_digest(path)
+            for path in sorted(data_dir.iterdir()) if path.is_file()} if data_dir.is_dir() else {}
+    return {"code": code_file_digests(code_dirs), "data": data}
 
 
-def why_not_continue(out_dir: Path, record: dict, expected: dict[str, Any], inputs: str,
+def inputs_changed(then: Any, now: dict[str, dict[str, str]]) -> str | None:
+    """The first input that differs between two snapshots, named ("pipeline/loop.py changed"), or None."""
+    if not isinstance(then, dict) or set(then) != set(now) or not all(isinstance(v, dict) for v in then.values()):
+        return "the code or the prepared data may have changed (recorded by an older version)"
+    for kind in ("code", "data"):
+        for name in sorted(then[kind].keys() | now[kind].keys()):
+            if then[kind].get(name) != now[kind].get(name):
+                how = "appeared" if name not in then[kind] else "was removed" if name not in now[kind] else "changed"
+                return f"{name} {how}"
+    return None
+
+
+def why_not_continue(out_dir: Path, record: dict, expected: dict[str, Any], inputs: dict,
                      settings: dict[str, Any]) -> str | None:
     """None if the interrupted training in `out_dir` can go on and end with the outputs an
     uninterrupted one would write; otherwise why not, for the log. `settings`: every setting the
@@ -127,8 +137,9 @@ def why_not_continue(out_dir: Path, record: dict, expected: dict[str, Any], inpu
         return "it ended before its first checkpoint"
     if "inputs" not in record or not isinstance(record.get("settings"), dict):
         return f"{out_dir / UNFINISHED_FILE} is unreadable, or from an older version"
-    if record["inputs"] != inputs:
-        return "the prepared data or the code changed since it started"
+    changed = inputs_changed(record["inputs"], inputs)
+    if changed:
+        return f"{changed} since it started"
     then = record["settings"]
     changed = [key for key in sorted(then.keys() | settings.keys()) if then.get(key) != settings.get(key)]
     if changed:

@@ -19,11 +19,19 @@ import subprocess
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from pipeline.errors import PipelineError
+
 PATCH_FOLDER, PATCH_FILE = "source", "uncommitted.patch"
 PATCH_ARTIFACT = f"{PATCH_FOLDER}/{PATCH_FILE}"  # where a dirty tree's change goes on the parent run
 REQUIREMENTS_LOCK = "requirements.lock"  # in the project's folder
 DRIVER_VERSION_FILE = Path("/proc/driver/nvidia/version")  # the NVIDIA kernel module's (in a container too)
 IMAGE_FACTS = Path("/etc/mnist-pipeline/image.json")  # written by the Dockerfile's last step
+
+
+# Set for the training a reproduction starts (pipeline.reproduce): its runs carry the `reproduces`
+# tag from their start (a stopped one is told from an ordinary training), and it registers no model
+# (the registry's aliases stay on the models they serve).
+REPRODUCES_ENV = "MNIST_PIPELINE_REPRODUCES"
 
 
 def sha256(*parts: bytes) -> str:
@@ -47,15 +55,56 @@ def project_folder() -> Path:
     return code_folders()[0].parent
 
 
+def code_files(folders: Iterable[Path] | None = None) -> list[tuple[str, Path]]:
+    """The project's Python files: (path within its package's parent, path), in order."""
+    files = []
+    for folder in folders if folders is not None else code_folders():
+        for path in sorted(folder.rglob("*.py")):
+            if "__pycache__" not in path.parts and path.is_file():  # not an editor's lock file (a dangling link)
+                files.append((str(path.relative_to(folder.parent)), path))
+    return files
+
+
 def code_digest(folders: Iterable[Path] | None = None) -> str:
     """The project's Python code, as the files are now: each file's path within its package's
     parent, and its bytes."""
     parts = []
-    for folder in folders if folders is not None else code_folders():
-        for path in sorted(folder.rglob("*.py")):
-            if "__pycache__" not in path.parts and path.is_file():  # not an editor's lock file (a dangling link)
-                parts += [str(path.relative_to(folder.parent)).encode(), path.read_bytes()]
+    for name, path in code_files(folders):
+        parts += [name.encode(), path.read_bytes()]
     return sha256(*parts)
+
+
+def code_file_digests(folders: Iterable[Path] | None = None) -> dict[str, str]:
+    """Each Python file's sha256, by its path within its package's parent: what changed, by name."""
+    return {name: hashlib.sha256(path.read_bytes()).hexdigest() for name, path in code_files(folders)}
+
+
+def changed_since_import() -> list[Path]:
+    """The `pipeline` and `stages` files whose bytes on disk are no longer those this process (or
+    the fork server it came from) imported: edited, or gone."""
+    import pipeline
+
+    changed = []
+    for origin, imported in pipeline.IMPORTED_SOURCES.items():
+        try:
+            now = hashlib.sha256(Path(origin).read_bytes()).hexdigest()
+        except OSError:
+            now = None
+        if now != imported:
+            changed.append(Path(origin))
+    return changed
+
+
+def check_code_as_imported() -> None:
+    """Refuse to record code that did not run: a file saved between this process's imports and
+    the record (a fork server imports before its workers start) would be named as what trained."""
+    changed = changed_since_import()
+    if changed:
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        first = changed[0]
+        shown = first.relative_to(project_folder()) if first.is_relative_to(project_folder()) else first
+        raise PipelineError(f"{shown} changed on disk after this training "
+                            f"imported it{more}: its record would name code that did not train; train again")
 
 
 def params_digest(params: Mapping[str, Any]) -> str:
@@ -110,8 +159,11 @@ def git(*args: str, cwd: Path | None = None) -> str:
 
 # Whatever the user's git config says: a patch `git apply` takes as it is (prefixes a/ and b/, no
 # textconv or external diff, no colour, the whole tree however deep the working directory).
-PATCH_COMMAND = ["git", "-c", "diff.noprefix=false", "-c", "diff.relative=false", "diff", "HEAD", "--binary",
-                 "--no-textconv", "--no-ext-diff", "--no-color", "--src-prefix=a/", "--dst-prefix=b/"]
+# Settings under which git neither converts line ends nor "fixes" whitespace: the working tree's
+# bytes are what a patch records and what a checkout plus that patch gives back.
+BYTE_EXACT_GIT = ["-c", "core.autocrlf=false", "-c", "core.safecrlf=false", "-c", "apply.whitespace=nowarn"]
+PATCH_COMMAND = ["git", *BYTE_EXACT_GIT, "-c", "diff.noprefix=false", "-c", "diff.relative=false", "diff", "HEAD",
+                 "--binary", "--no-textconv", "--no-ext-diff", "--no-color", "--src-prefix=a/", "--dst-prefix=b/"]
 
 
 def uncommitted_patch(cwd: Path | None = None) -> bytes:
@@ -198,5 +250,7 @@ def gpus() -> dict[str, str]:
 def inputs(params: Mapping[str, Any], data_dir: Path) -> dict[str, str]:
     """The digests of what a training read, as tags on each of its runs (the software and the
     hardware are in stages.workers.run_facts; the commit and the patch in pipeline.tracking.facts)."""
-    return {"code_sha256": code_digest(), "params_sha256": params_digest(params),
+    code = code_digest()
+    check_code_as_imported()  # after the digest: an edit before it is caught here too
+    return {"code_sha256": code, "params_sha256": params_digest(params),
             "requirements_lock_sha256": file_digest(project_folder() / REQUIREMENTS_LOCK), "data_sha256": files_digest(data_dir)}

@@ -13,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pipeline import record
 from pipeline.config import MODES
@@ -28,12 +30,13 @@ from pipeline.tracking.recorded import RunStore
 from pipeline.tracking.runs import PARENT_TAG
 from pipeline.tracking.store import check_store, shown, store_errors, tracking_uri
 
-DIFFERS, REFUSED, FAILED = 1, 2, 3  # exit codes; 0 is bit for bit
+DIFFERS, REFUSED, FAILED = 1, 2, 3  # exit codes; 0 is bit for bit; stopped: 128 + the signal
+REPRODUCES_ENV = record.REPRODUCES_ENV
 BIT_FOR_BIT = "reproduced bit for bit"
 # What the record says about where and from what a run was made: each one that differs between the
 # run and its reproduction is named in the verdict.
 COMPARED = ("python_version", "torch_version", "cuda_version", "cudnn_version", "nccl_version", "cpu_model",
-            "gpu_names", "driver_version", "nccl_env", "device_type", "world_size", "backend", "code_sha256", "params_sha256",
+            "gpu_names", "driver_version", "nccl_env", "cpu_threads", "usable_cpus", "device_type", "world_size", "backend", "code_sha256", "params_sha256",
             "requirements_lock_sha256", "data_sha256", "image_base", "image_source_commit")
 PARAMS_ARTIFACT = "params.yaml"  # on the parent run: the params file as the training read it
 PREPARED = Path("data/prepared")  # where `dvc repro` prepares the data and trains from it
@@ -41,6 +44,42 @@ PREPARED = Path("data/prepared")  # where `dvc repro` prepares the data and trai
 
 class Refusal(PipelineError):
     """What a reproduction cannot start without (exit 2): said in one line."""
+
+
+class Stopped(BaseException):
+    """A stop signal (Ctrl-C, SIGTERM) ended the reproduction, after the training it started ended
+    (its runs FAILED) and before its checkout was removed: exit 128 + the signal, never 1 ("differs")."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.code = signum, 128 + signum
+
+
+_child: subprocess.Popen | None = None  # the stage the reproduction is running, if any
+_stopping: list[int] = []
+
+
+def _on_stop(signum, frame) -> None:
+    """While a stage runs, pass the signal on to it (a Ctrl-C from a terminal reached it already:
+    it ignores the second) and let it end its runs; _run raises once it is gone. Otherwise stop now."""
+    if _child is not None and _child.poll() is None:
+        if not _stopping:
+            _stopping.append(signum)
+            _child.send_signal(signum)
+        return
+    raise Stopped(signum)
+
+
+@contextmanager
+def stops_cleanly() -> Iterator[None]:
+    """SIGTERM and Ctrl-C unwind the reproduction (its temporary checkout is removed) and never
+    leave the training it started running on its own."""
+    previous = {sig: signal.signal(sig, _on_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 @dataclass
@@ -66,8 +105,8 @@ def read_record(store: RunStore, run_id: str) -> Recorded:
         parent = tags[PARENT_TAG]
         raise Refusal(f"run {run_id} is {name!r}, one rank's run: reproduce the mode's run it belongs to, "
                       f"`mnist-pipeline reproduce {parent}`")
-    # A mode's run is named after its mode (after its DVC experiment's name under `dvc exp run`).
-    if tags.get("mode") not in MODES or name.rpartition("/")[2] != tags["mode"]:
+    # By its tags, not its name, which the MLflow UI lets anyone change.
+    if tags.get("mode") not in MODES:
         raise Refusal(f"run {run_id} is {name!r}, not a training: reproduce takes a mode's run "
                       f"({', '.join(MODES)}), as `mnist-pipeline compare` lists them")
     if run.status != "FINISHED":
@@ -166,7 +205,9 @@ def _yaml(text: str) -> Any:
 def prepare_checkout(recorded: Recorded, root: Path, folder: Path) -> Path:
     """The recorded code and params in `folder`: the commit, its patch, the params file."""
     checkout = folder / "checkout"
-    git = ["git", "-c", "advice.detachedHead=false"]
+    # The commit's bytes and the patch's, whatever the user's git config says: no line-end
+    # conversion on checkout, no whitespace "fixes" on apply (the patch is already what ran).
+    git = ["git", "-c", "advice.detachedHead=false", *record.BYTE_EXACT_GIT]
     for args, cwd in ((["clone", "--quiet", "--shared", "--no-checkout", str(root), str(checkout)], root),
                       (["checkout", "--quiet", "--detach", recorded.tags["git_commit"]], checkout)):
         done = subprocess.run([*git, *args], cwd=cwd, capture_output=True, text=True)
@@ -175,7 +216,8 @@ def prepare_checkout(recorded: Recorded, root: Path, folder: Path) -> Path:
     if recorded.patch:
         patch = folder / "uncommitted.patch"
         patch.write_bytes(recorded.patch)
-        done = subprocess.run([*git, "apply", "--binary", str(patch)], cwd=checkout, capture_output=True, text=True)
+        done = subprocess.run([*git, "apply", "--binary", "--whitespace=nowarn", str(patch)], cwd=checkout,
+                              capture_output=True, text=True)
         if done.returncode:
             raise Refusal(f"run {recorded.run_id}: its uncommitted change does not apply to commit "
                           f"{recorded.tags['git_commit'][:12]}: {done.stderr.strip().splitlines()[0]}")
@@ -183,7 +225,8 @@ def prepare_checkout(recorded: Recorded, root: Path, folder: Path) -> Path:
     code = record.code_digest([checkout / "pipeline", checkout / "stages"])
     if code != recorded.tags["code_sha256"]:
         raise Refusal(f"run {recorded.run_id}: commit {recorded.tags['git_commit'][:12]} with its patch is not the "
-                      "code it ran (code_sha256 differs): it ran files git does not track (untracked, or ignored)")
+                      "code it ran (code_sha256 differs): it ran files git does not track (untracked, or ignored), "
+                      "or a .gitattributes filter changed the bytes git checks out")
     return checkout
 
 
@@ -200,10 +243,19 @@ def place_data(recorded: Recorded, workspace: Path, checkout: Path, env: dict[st
     _run([sys.executable, "-m", "stages", "prepare"], checkout, env, "prepare")
 
 
-def _run(command: list[str], cwd: Path, env: dict[str, str], what: str) -> None:
-    done = subprocess.run(command, cwd=cwd, env=env)
-    if done.returncode:
-        raise PipelineError(f"the reproduction's {what} failed (exit code {done.returncode}); its output is above")
+def _run(command: list[str], cwd: Path, env: dict[str, str], what: str, cpus: set[int] | None = None) -> None:
+    global _child
+    with subprocess.Popen(command, cwd=cwd, env=env,
+                          preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus)) as child:
+        _child = child
+        try:
+            returncode = child.wait()  # a stop signal meanwhile is passed on (_on_stop); the wait goes on
+        finally:
+            _child = None
+    if _stopping:
+        raise Stopped(_stopping[0])
+    if returncode:
+        raise PipelineError(f"the reproduction's {what} failed (exit code {returncode}); its output is above")
 
 
 def child_env(uri: str, checkout: Path, recorded: Recorded) -> dict[str, str]:
@@ -211,8 +263,27 @@ def child_env(uri: str, checkout: Path, recorded: Recorded) -> dict[str, str]:
     commit older than stages/entry.py does not choose it itself), as many GPUs as the run had, and
     nothing of DVC's (this is no stage of it)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("DVC_")}
-    env.update(MLFLOW_TRACKING_URI=uri, PYTHONPATH=str(checkout), **visible_devices(recorded))
+    env.update(MLFLOW_TRACKING_URI=uri, PYTHONPATH=str(checkout), **visible_devices(recorded),
+               **{REPRODUCES_ENV: recorded.run_id})
+    if recorded.tags.get("device_type") == "cpu" and recorded.tags.get("cpu_threads"):
+        env["OMP_NUM_THREADS"] = recorded.tags["cpu_threads"]  # the run's split of each op (DDP sets its own)
     return env
+
+
+def usable_cpus(recorded: Recorded, echo: Callable[[str], None]) -> set[int] | None:
+    """The CPUs the training may use: as many as the run could (DDP splits them between its ranks),
+    where this process may use more; None to leave them. Fewer is said: its floats may differ."""
+    from pipeline.parallel import available_cpus
+
+    wanted = recorded.tags.get("usable_cpus")
+    if recorded.tags.get("device_type") != "cpu" or not (wanted or "").isdigit() or not hasattr(os, "sched_getaffinity"):
+        return None
+    have = available_cpus()
+    if int(wanted) > have:
+        echo(f"reproduce: run {recorded.run_id} could use {wanted} CPUs, this process {have}: its threads, and "
+             "so its floats, may differ")
+        return None
+    return set(sorted(os.sched_getaffinity(0))[:int(wanted)]) if int(wanted) < have else None
 
 
 def scratch_parent(workspace: Path) -> Path | None:
@@ -267,7 +338,8 @@ def reproduce(run_id: str, workspace: Path, echo: Callable[[str], None]) -> tupl
         place_data(recorded, workspace, checkout, env, echo)
         echo(f"reproduce: training {recorded.mode} as run {run_id} did, in {checkout} "
              f"(commit {recorded.tags['git_commit'][:12]}{', with its patch' if recorded.patch else ''})")
-        _run([sys.executable, "-m", "stages", "train", "--mode", recorded.mode], checkout, env, "training")
+        _run([sys.executable, "-m", "stages", "train", "--mode", recorded.mode], checkout, env, "training",
+             usable_cpus(recorded, echo))
         out = checkout / "models" / recorded.mode
         new_id = json.loads((out / "mlflow_run.json").read_text())["parent"]
         remade_weights = torch.load(out / "model.pt", map_location="cpu", weights_only=True)["state_dict"]

@@ -28,10 +28,16 @@ def reproduce(run: str) -> None:
       0  reproduced bit for bit (the weights' digests match)
       1  the weights differ: the line says by how much, and what in the record differs
       2  refused: the line says what is missing (run, commit, patch, model, devices, store)
-      3  the reproduction itself failed (its training, its checkout): the line says where"""
+      3  the reproduction itself failed (its training, its checkout): the line says where
+      130, 143  stopped by Ctrl-C or SIGTERM: the training it started stopped too (its runs FAILED)"""
     workspace = record.project_folder()  # the project this runs in, from any folder of it
     try:
-        code, verdict = remake.reproduce(run_id_of(run, workspace), workspace, click.echo)
+        with remake.stops_cleanly():
+            code, verdict = remake.reproduce(run_id_of(run, workspace), workspace, click.echo)
+    except remake.Stopped as stop:
+        click.echo(f"reproduce: stopped ({stop}): the training it started ended, its runs FAILED; its "
+                   "checkout is removed", err=True)
+        sys.exit(stop.code)
     except remake.Refusal as exc:
         click.echo(f"reproduce: {exc}", err=True)
         sys.exit(remake.REFUSED)

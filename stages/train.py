@@ -5,6 +5,7 @@ the steps' time went)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import logging
@@ -178,13 +179,17 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
         state = resume_state(out / CHECKPOINT_FILE, trajectory(config.train, mode), asked=resume,
                              restarted=parallel.restarted_by_torchrun(), rank=rank)
         facts = {**run_facts(mode, rank, device, distributed=mode == "ddp"), **record.inputs(params, data_dir)}
+        tracking = config.tracking
+        if os.environ.get(record.REPRODUCES_ENV):  # a reproduction: said from the start, and nothing registered
+            facts["reproduces"] = os.environ[record.REPRODUCES_ENV]
+            tracking = dataclasses.replace(tracking, registered_model="")
         if state is None and not parallel.restarted_by_torchrun():
             # A fresh training (under any launcher): what an earlier one left unsent is not its to replay.
             dropped = outbox.discard(out / OUTBOX_DIR, f"rank-{rank.rank}")
             if dropped:
                 log.warning("%s: rank %d dropped %d tracking calls an earlier training kept for its own runs",
                             mode, rank.rank, dropped)
-        runs = start_mode_run(config.tracking, mode, rank, facts, params,
+        runs = start_mode_run(tracking, mode, rank, facts, params,
                               state.get("extra", {}).get("mlflow") if state else None,
                               outbox_dir=out / OUTBOX_DIR)
         with until_done(runs):  # from the moment the runs exist: nothing may leave them RUNNING
@@ -242,9 +247,15 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
     MLflow runs. One that cannot go on leaves no RUNNING run behind, and no checkpoint or outbox
     to be taken for this one's."""
     out = model_dir(mode)
-    inputs = checkpoint.inputs_digest(data_dir, CODE_DIRS)
+    inputs = checkpoint.inputs_snapshot(data_dir, CODE_DIRS)
     settings = stage_settings(config)
     record = unfinished(out)
+    if asked and record is not None and "inputs" in record:
+        changed = checkpoint.inputs_changed(record["inputs"], inputs)
+        if changed:  # the later epochs would run other code (or data) than the runs' record names
+            raise PipelineError(f"{out}: {changed} since this training started, so --resume would finish it "
+                                "with other code or data than its record names: put it back, or train afresh "
+                                "without --resume")
     kept = outbox.unsent(out / OUTBOX_DIR)
     if asked and (out / CHECKPOINT_FILE).is_file():  # ours, and of these settings: said before anything changes
         checkpoint.load_checkpoint(out / CHECKPOINT_FILE, trajectory(config.train, mode))
@@ -368,6 +379,7 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
         else:
             run_worker(config, params_text, mode, Path(data_dir), resume)
         params_unchanged(Path(params_path), params_text, config)  # else DVC would record what did not train
+        inputs_unchanged(mode, Path(data_dir))
         (model_dir(mode) / UNFINISHED_FILE).unlink()  # only now: every output is in place, every run ended
 
 
@@ -389,6 +401,17 @@ def params_unchanged(path: Path, text: str, config: Config) -> None:
         changed = f"now unreadable: {exc}"
     raise PipelineError(f"{path} changed while this training ran ({changed}): the outputs are of the settings it "
                         "read at its start, so DVC records nothing; run it again to train with the new settings")
+
+
+def inputs_unchanged(mode: str, data_dir: Path) -> None:
+    """The code and the prepared data are still what this training read at its start (pick_up's
+    snapshot): DVC hashes a stage's dependencies after it runs, so a file saved meanwhile would go
+    into dvc.lock beside a model it never trained. The stage fails instead, and DVC records nothing."""
+    then = (unfinished(model_dir(mode)) or {}).get("inputs")
+    changed = checkpoint.inputs_changed(then, checkpoint.inputs_snapshot(data_dir, CODE_DIRS))
+    if changed:
+        raise PipelineError(f"{changed} while this training ran: its outputs are of the code and data it read at "
+                            "its start, so DVC records nothing; run it again")
 
 
 def stage_mode() -> str:

@@ -26,6 +26,13 @@ def launch_workers(config: Config, command: list[str]) -> None:
         parallel.launch_workers(nproc, forkserver.run_named, [WORKER_ENTRY, str(registry), *command])
 
 
+def cpu_facts() -> dict[str, str]:
+    """On the CPU, how the work was split: the threads (OMP_NUM_THREADS, or DDP's share of the
+    cores) and the cores this process may use (taskset, cpusets, a cgroup quota). Both change how
+    a sum is split, so the floats' last bits."""
+    return {"cpu_threads": str(torch.get_num_threads()), "usable_cpus": str(parallel.available_cpus())}
+
+
 def run_facts(mode: str, rank: parallel.Rank, device: torch.device, distributed: bool) -> dict[str, str]:
     """The tags that say where and how a run ran."""
     return {
@@ -35,5 +42,5 @@ def run_facts(mode: str, rank: parallel.Rank, device: torch.device, distributed:
         "device_type": device.type,
         "device_name": parallel.device_name(device),
         **record.software(),
-        **(record.gpus() if device.type == "cuda" else {}),
+        **(record.gpus() if device.type == "cuda" else cpu_facts()),
     }

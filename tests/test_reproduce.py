@@ -128,7 +128,7 @@ def test_a_run_from_a_dirty_tree_is_remade_from_its_patch(tmp_path, mnist_dir):
     commit_notes(project)
     edit_notes(project)  # bytes a text round trip would change: the patch must still apply
     model = project / "pipeline" / "model.py"
-    model.write_text(model.read_text().replace("nn.Linear(32 * 7 * 7, 128)", "nn.Linear(32 * 7 * 7, 64)")
+    model.write_text(model.read_text().replace("nn.Linear(32 * 7 * 7, 128)", "nn.Linear(32 * 7 * 7, 64)  ")
                      .replace("nn.Linear(128, 10),\n    )\n\n\ndef classic", "nn.Linear(64, 10),\n    )\n\n\ndef classic"))
     train_cli(project, "single")
     original = parent_of(project, "single")
@@ -141,7 +141,11 @@ def test_a_run_from_a_dirty_tree_is_remade_from_its_patch(tmp_path, mnist_dir):
     assert b"nn.Linear(64, 10)" in expected and "Grüße".encode("latin-1") in expected and b"\r\n" in expected
     check_record(parent, children, project, "single")
     run(["git", "checkout", "--", "pipeline/model.py"], project)  # the workspace moves on
-    proc = reproduce(project, original)
+    # A user's git config that would change the bytes of the checkout (LF to CRLF) and of the patch
+    # applied (its trailing spaces dropped), had the reproduction not overridden it.
+    hostile = tmp_path / "gitconfig"
+    hostile.write_text("[core]\n\tautocrlf = true\n[apply]\n\twhitespace = fix\n")
+    proc = reproduce(project, original, GIT_CONFIG_GLOBAL=str(hostile))
     assert proc.returncode == 0, verdict(proc)
     remade = client_of(project).get_run(client_of(project).get_run(original).data.tags["reproduction_run"])
     assert remade.data.tags["git_dirty"] == "true"  # the checkout with the patch applied, as the original
@@ -296,3 +300,122 @@ def test_a_gpu_run_records_nccl_s_settings_and_a_reproduction_names_a_change(mon
     assert facts["nccl_env"] == "NCCL_ALGO=Tree; NCCL_PROTO=Simple"
     remade = dict(facts, nccl_env="none")
     assert facts_that_differ(facts, remade) == ["nccl_env NCCL_ALGO=Tree; NCCL_PROTO=Simple -> none"]
+
+
+IMPORTED_THEN_SAVED = """
+import multiprocessing, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import pipeline.loop  # what a fork server imports before its workers start
+from pipeline import record
+from pipeline.errors import PipelineError
+assert record.__file__.startswith(sys.argv[1]), record.__file__
+Path(sys.argv[1], "pipeline", "report.py").write_text("# not imported yet: what it says cannot have run\\n")
+record.check_code_as_imported()
+Path(sys.argv[1], "pipeline", "loop.py").write_text(Path(sys.argv[1], "pipeline", "loop.py").read_text() + "# saved\\n")
+
+def worker():
+    try:
+        record.inputs({}, Path(sys.argv[1]))
+    except PipelineError as exc:
+        print(exc)
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("fork").Process(target=worker)  # a worker forked after the imports
+    child.start()
+    child.join()
+"""
+
+
+@pytest.mark.fast
+def test_a_file_saved_after_the_imports_is_not_recorded_as_what_trained(tmp_path):
+    """The record reads the code on disk; a worker runs what its fork server imported earlier. A
+    file saved in between would be named as the code that trained: the worker refuses instead."""
+    import shutil
+
+    for package in ("pipeline", "stages"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    script = tmp_path / "imported_then_saved.py"
+    script.write_text(IMPORTED_THEN_SAVED)
+    done = subprocess.run([sys.executable, "-I", str(script), str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == ("pipeline/loop.py changed on disk after this training imported it: its record "
+                                   "would name code that did not train; train again"), done.stdout + done.stderr[-2000:]
+
+
+def test_a_renamed_run_is_remade_with_the_threads_it_had(trained):
+    """The MLflow UI lets anyone rename a run: a training is known by its tags. Fewer threads split
+    each op's sums otherwise (OMP_NUM_THREADS here): the reproduction trains with the run's own."""
+    original = parent_of(trained, "single")
+    client = client_of(trained)
+    tags = client.get_run(original).data.tags
+    assert tags["cpu_threads"] == str(torch_threads()) and tags["usable_cpus"].isdigit()
+    client.set_tag(original, "mlflow.runName", "my best run")
+    try:
+        proc = reproduce(trained, original, OMP_NUM_THREADS="1")
+    finally:
+        client.set_tag(original, "mlflow.runName", "single")
+    assert proc.returncode == 0 and verdict(proc).startswith("reproduce: reproduced bit for bit"), verdict(proc)
+    remade = client.get_run(client.get_run(original).data.tags["reproduction_run"])
+    assert remade.data.tags["cpu_threads"] == tags["cpu_threads"]
+
+
+def torch_threads() -> int:
+    done = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                          capture_output=True, text=True, env=subprocess_env(), check=True)
+    return int(done.stdout)
+
+
+def runs_reproducing(client: MlflowClient, run_id: str) -> list:
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(experiments, f"tags.reproduces = '{run_id}'")
+
+
+def test_a_reproduction_leaves_the_registry_alone_and_stops_with_its_training(tmp_path, mnist_dir):
+    """Re-making an old run must not register its model and move the mode's alias to it. Stopped
+    (SIGTERM to its pid, or Ctrl-C), it stops the training it started, whose runs say from their
+    start what they reproduce and end FAILED, removes its checkout, and exits 143 or 130, not 1."""
+    import signal
+    import time
+
+    import psutil
+
+    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 20},
+                                               "tracking": {"registered_model": "mnist-small"}})
+    prepare(project, mnist_dir)
+    for mode in ("single", "ddp"):
+        train_cli(project, mode)
+    client = client_of(project)
+    versions = {v.version: v.run_id for v in client.search_model_versions("name = 'mnist-small'")}
+    aliases = {mode: client.get_model_version_by_alias("mnist-small", mode).version for mode in ("single", "ddp")}
+    assert len(versions) == 2
+
+    single = parent_of(project, "single")
+    proc = reproduce(project, single)
+    assert proc.returncode == 0 and verdict(proc).startswith("reproduce: reproduced bit for bit"), verdict(proc)
+    assert {v.version: v.run_id for v in client.search_model_versions("name = 'mnist-small'")} == versions
+    assert {mode: client.get_model_version_by_alias("mnist-small", mode).version for mode in aliases} == aliases
+
+    for mode, signum, code in (("ddp", signal.SIGTERM, 143), ("single", signal.SIGINT, 130)):
+        original = parent_of(project, mode)
+        started = len(runs_reproducing(client, original))
+        with subprocess.Popen(["mnist-pipeline", "reproduce", original], cwd=project, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=subprocess_env(**project_env(project))) as proc:
+            for line in proc.stdout:
+                if line.startswith(f"reproduce: training {mode} as run"):
+                    break
+            deadline = time.monotonic() + 120
+            while len(runs_reproducing(client, original)) < started + (3 if mode == "ddp" else 1):
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()[-3000:]
+                time.sleep(0.2)
+            family = psutil.Process(proc.pid).children(recursive=True)
+            assert family, "the training runs in a process of its own"
+            proc.send_signal(signum)  # to its pid alone, as `kill` does
+            _, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == code, stderr[-3000:]
+        assert f"reproduce: stopped ({signal.Signals(signum).name})" in stderr, stderr[-3000:]
+        assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], family
+        assert not list((project / ".dvc" / "tmp").glob("reproduce-*"))
+        stopped = runs_reproducing(client, original)[: 3 if mode == "ddp" else 1]
+        assert {r.info.status for r in stopped} == {"FAILED"}, [(r.info.run_name, r.info.status) for r in stopped]

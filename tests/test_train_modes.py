@@ -173,3 +173,57 @@ def test_ddp_ranks_start_from_the_same_weights_and_drop_different_units(tmp_path
     first, second = (torch.load(tmp_path / f"rank-{r}.pt", weights_only=True) for r in range(2))
     assert all(torch.equal(first["weights"][k], second["weights"][k]) for k in first["weights"])
     assert not torch.equal(first["mask"], second["mask"])
+
+
+@pytest.mark.fast
+def test_what_changed_in_the_code_or_the_data_is_named(tmp_path):
+    from pipeline.checkpoint import inputs_changed, inputs_snapshot
+
+    (tmp_path / "pipeline").mkdir()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "pipeline" / "loop.py").write_text("x = 1\n")
+    (tmp_path / "pipeline" / ".#loop.py").symlink_to("nobody@host.1234")  # an editor's lock: a link to nowhere
+    (tmp_path / "data" / "train.pt").write_bytes(b"images")
+    folders, data = [tmp_path / "pipeline"], tmp_path / "data"
+    then = inputs_snapshot(data, folders)
+    assert list(then["code"]) == ["pipeline/loop.py"] and inputs_changed(then, inputs_snapshot(data, folders)) is None
+    (tmp_path / "data" / "train.pt").write_bytes(b"other images")
+    assert inputs_changed(then, inputs_snapshot(data, folders)) == f"{data / 'train.pt'} changed"
+    (tmp_path / "pipeline" / "extra.py").write_text("")
+    assert inputs_changed(then, inputs_snapshot(data, folders)) == "pipeline/extra.py appeared"
+    assert "older version" in inputs_changed("0123abcd", then)  # an interrupted training's record from before
+
+
+def test_resume_after_a_code_edit_is_refused_and_an_edit_during_training_is_not_recorded(tmp_path, mnist_dir):
+    """--resume would finish a training with other code than its record names; an edit saved while
+    it trains would go into dvc.lock beside a model of the old code (DVC hashes after the stage)."""
+    import subprocess
+
+    from tests.conftest import make_project, prepare, project_env, subprocess_env
+
+    project = make_project(tmp_path / "proj", {**SMALL, "tracking": {"enabled": False},
+                                               "train": {**SMALL["train"], "epochs": 40}})
+    prepare(project, mnist_dir)
+    crashed = train_cli(project, "single", check=False, MNIST_PIPELINE_CRASH_AFTER_EPOCH="1")
+    assert crashed.returncode == 75
+    report = project / "pipeline" / "report.py"
+    report.write_text(report.read_text() + "# an edit\n")
+    refused = train_cli(project, "single", "--resume", check=False)
+    assert refused.returncode == 1, refused.stderr[-2000:]
+    assert ("models/single: pipeline/report.py changed since this training started, so --resume would finish it "
+            "with other code or data than its record names") in refused.stderr, refused.stderr[-2000:]
+    assert torch.load(project / "models/single/checkpoint.pt", weights_only=True)["epoch"] == 1  # kept
+
+    with subprocess.Popen(["mnist-pipeline", "train", "--mode", "single"], cwd=project, stderr=subprocess.PIPE,
+                          text=True, env=subprocess_env(**project_env(project))) as proc:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "single epoch 2/40" in line:  # training: save a file of the code
+                report.write_text(report.read_text() + "# another edit\n")
+        proc.wait(timeout=300)
+    output = "".join(lines)
+    assert proc.returncode == 1, output[-2000:]
+    assert "pipeline/report.py changed while this training ran: its outputs are of the code and data" in output, \
+        output[-2000:]
+    assert (project / "models/single/unfinished.json").is_file()  # not recorded as a finished training

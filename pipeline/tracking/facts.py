@@ -40,6 +40,7 @@ def log_uncommitted_change(client, parent_id: str) -> None:
     import tempfile
 
     patch = record.uncommitted_patch()
+    record.check_code_as_imported()  # the patch, too, is of the code this training imported
     if patch:
         with tempfile.TemporaryDirectory() as folder:  # bytes as git wrote them: no text round trip
             path = Path(folder) / record.PATCH_FILE
