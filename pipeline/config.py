@@ -37,9 +37,13 @@ def _positive() -> dict:
     return _rule(lambda v: v > 0, "> 0")
 
 
+# torch.manual_seed takes up to 64 bits; the loop adds the epoch and the rank to the seed.
+_SEED = _rule(lambda v: 0 <= v < 2**63, "an integer from 0 to 2**63 - 1")
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    seed: int = 42
+    seed: int = field(default=42, metadata=_SEED)
     val_size: int = field(default=5000, metadata=_at_least(1))
     # 0 keeps every training image; N keeps the first N (quick runs).
     train_limit: int = field(default=0, metadata=_at_least(0))
@@ -70,7 +74,7 @@ class TrainConfig:
     # Cross-entropy against targets that give this much weight to the other classes: a per-sample
     # change to the loss, so the modes still see the same function of the same batches.
     label_smoothing: float = field(default=0.1, metadata=_rule(lambda v: 0 <= v < 1, "from 0 up to, not including, 1"))
-    seed: int = 42
+    seed: int = field(default=42, metadata=_SEED)
     # DDP workers on this node (with slurm: on each node); 0 = one per GPU, or 2 on a CPU-only host
     # (under slurm: one per GPU Slurm gives the node, else 1).
     nproc: int = field(default=0, metadata=_at_least(0))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -113,7 +114,7 @@ def read_record(store: RunStore, run_id: str) -> Recorded:
         raise Refusal(f"run {run_id} ({name}) is {run.status}: only a finished training can be re-made "
                       "and compared")
     if tags.get("git_commit", "unknown") == "unknown":
-        raise Refusal(f"run {run_id} ({name}) records no commit (it was trained outside a git repository)")
+        tags = dict(tags, **commit_of_image(run_id, name, tags))
     patch = b""
     if tags.get("git_dirty") != "false":
         if "git_patch" not in tags:
@@ -127,6 +128,19 @@ def read_record(store: RunStore, run_id: str) -> Recorded:
             raise Refusal(f"run {run_id} ({name}) has no {key} tag (made before runs recorded it): nothing to "
                           "check a reproduction against")
     return Recorded(run_id, tags["mode"], tags, run.params, params_text, patch)
+
+
+def commit_of_image(run_id: str, name: str, tags: dict[str, str]) -> dict[str, str]:
+    """A run trained where git could not look (the self-contained image has no .git): the commit
+    its image was built from, which the image recorded (`git describe --dirty` at the build), as a
+    clean tree of that commit; the code digest then checks that the image's code was that."""
+    source = tags.get("image_source_commit", "")
+    if re.fullmatch(r"[0-9a-f]{40}", source):
+        return {"git_commit": source, "git_dirty": "false"}
+    if source.endswith("-dirty"):
+        raise Refusal(f"run {run_id} ({name}) ran in an image built from a tree with uncommitted changes "
+                      f"({source}), which the image keeps no patch of: build it from a commit")
+    raise Refusal(f"run {run_id} ({name}) records no commit (it was trained outside a git repository)")
 
 
 def _artifact_bytes(store: RunStore, run_id: str, path: str, what: str) -> bytes:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import unicodedata
 
 MODES = ("single", "dp", "ddp")  # pipeline.config's order; this script runs without the package
 PARAMS = ("train.model", "train.epochs", "train.batch_size", "train.lr", "train.nproc", "train.device")
@@ -73,6 +74,18 @@ def label(dotted: str) -> str:
     return dotted.split(".", 1)[1] if dotted.startswith("train.") else dotted
 
 
+def display_width(text: str) -> int:
+    """Columns a terminal gives `text`: two for wide and fullwidth characters (CJK), none for
+    combining marks, one otherwise; len() counts code points."""
+    return sum(0 if unicodedata.combining(ch) else 2 if unicodedata.east_asian_width(ch) in "WF" else 1
+               for ch in text)
+
+
+def padded(text: str, width: int, right: bool) -> str:
+    fill = " " * max(0, width - display_width(text))
+    return fill + text if right else text + fill
+
+
 def table(found: list[dict]) -> str:
     shown = shown_params(found)
     header = ["experiment", *(label(p) for p in shown), "mode", *(title for _, title, _ in COLUMNS)]
@@ -87,8 +100,8 @@ def table(found: list[dict]) -> str:
             cells = [entry["name"] if i == 0 else "", *(settings if i == 0 else [""] * len(settings)), mode]
             cells += [cell(numbers, key, fmt) for key, _, fmt in COLUMNS]
             lines.append(cells)
-    widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
-    text = [" ".join(str(cell).ljust(w) if i <= len(shown) + 1 else str(cell).rjust(w)
+    widths = [max(display_width(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
+    text = [" ".join(padded(str(cell), w, right=i > len(shown) + 1)
                      for i, (cell, w) in enumerate(zip(row, widths))) for row in [header, *lines]]
     return "\n".join(line.rstrip() for line in text)
 

@@ -51,6 +51,8 @@ def test_empty_params_give_defaults():
         ({"data": {"val_size": 500, "train_limit": 500}}, ["data.val_size = 500", "data.train_limit"]),
         ({"data": {"train_limit": -1}}, ["data.train_limit = -1", ">= 0"]),
         ({"data": [1, 2]}, ["section 'data' must be a mapping"]),
+        ({"train": {"seed": 2**64}}, [f"train.seed = {2**64}", "from 0 to 2**63 - 1"]),  # torch.manual_seed's 64 bits
+        ({"data": {"seed": -1}}, ["data.seed = -1", "from 0 to 2**63 - 1"]),
     ],
 )
 def test_bad_values_name_key_value_and_rule(raw, fragments):

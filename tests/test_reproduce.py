@@ -202,6 +202,10 @@ def records(trained) -> dict[str, str]:
             "no patch": made("single", git_dirty="true"),
             "unknown commit": made("single", git_commit="0123456789abcdef0123456789abcdef01234567"),
             "gpus": made("ddp", mode="ddp", device_type="cuda", world_size=str(GPUS_HERE + 1)),
+            # In the self-contained image git sees no repository; the image recorded its source commit.
+            "image": made("single", git_commit="unknown", git_dirty="unknown",
+                          image_source_commit=good.data.tags["git_commit"]),
+            "dirty image": made("single", git_commit="unknown", image_source_commit="0123abcd-dirty"),
             "no model": made("single")}
 
 
@@ -214,6 +218,8 @@ def records(trained) -> dict[str, str]:
     ("unknown commit", "is not in the repository"),
     ("gpus", f"trained on {GPUS_HERE + 1} CUDA device(s); this host has {GPUS_HERE}"),
     ("no model", "its logged model is not there"),
+    ("image", "its logged model is not there"),  # past the commit: the image's is used
+    ("dirty image", "ran in an image built from a tree with uncommitted changes (0123abcd-dirty)"),
     ("unknown run", "no such run"),
     ("no store", "does not answer"),
 ])

@@ -41,3 +41,13 @@ def test_the_speedup_shows_its_interval_and_the_warnings_their_count():
                                      "timing_warnings": 2})]
     line = show_experiments.table(found).splitlines()[1]
     assert "1.70x (1.61-1.80)" in line and line.split()[-1] == "2"
+
+
+def test_names_in_wide_scripts_keep_the_columns_aligned():
+    """A CJK name takes two terminal columns a character: the columns after it start where the
+    other rows' do, counted in display width, not code points."""
+    found = [entry("学習率の実験", {"lr": 0.03}, {"accuracy": 0.99, "speedup": 1.0}),
+             entry("workspace", {}, {"accuracy": 0.98, "speedup": 1.0})]
+    lines = show_experiments.table(found).splitlines()
+    starts = [show_experiments.display_width(line[:line.index("single")]) for line in lines[1:]]
+    assert starts[0] == starts[1], lines
