@@ -227,9 +227,11 @@ def prepare_checkout(recorded: Recorded, root: Path, folder: Path) -> Path:
         done = subprocess.run([*git, *args], cwd=cwd, capture_output=True, text=True)
         if done.returncode:
             raise PipelineError(f"git {args[0]} for the reproduction failed: {done.stderr.strip()}")
-    if recorded.patch:
+    changes, submodules = split_patch(recorded.patch, gitlinks(checkout, git))
+    check_out_submodules(root, checkout, git, submodules, recorded.run_id)
+    if changes:
         patch = folder / "uncommitted.patch"
-        patch.write_bytes(recorded.patch)
+        patch.write_bytes(changes)
         done = subprocess.run([*git, "apply", "--binary", "--whitespace=nowarn", str(patch)], cwd=checkout,
                               capture_output=True, text=True)
         if done.returncode:
@@ -242,6 +244,63 @@ def prepare_checkout(recorded: Recorded, root: Path, folder: Path) -> Path:
                       "code it ran (code_sha256 differs): it ran files git does not track (untracked, or ignored), "
                       "or a .gitattributes filter changed the bytes git checks out")
     return checkout
+
+
+# A submodule's part of `git diff HEAD`: its commit in the project's tree, then the one checked
+# out ("-dirty" when its files have changes of their own, which the diff does not hold).
+SUBPROJECT = re.compile(rb"^\+Subproject commit ([0-9a-f]{40})(-dirty)?$", re.M)
+
+
+def gitlinks(checkout: Path, git: list[str]) -> dict[str, str]:
+    """The submodules of the commit checked out: path -> the commit the project's tree holds."""
+    tree = subprocess.run([*git, "ls-tree", "-r", "-z", "HEAD"], cwd=checkout, capture_output=True).stdout
+    links = {}
+    for entry in tree.split(b"\0"):
+        if entry.startswith(b"160000 "):
+            meta, _, name = entry.partition(b"\t")
+            links[name.decode()] = meta.split()[2].decode()
+    return links
+
+
+def split_patch(patch: bytes, links: dict[str, str]) -> tuple[bytes, dict[str, tuple[str, bool]]]:
+    """The patch less its submodules' sections (git apply cannot move a submodule), and each
+    submodule's commit as the training had it: path -> (commit, whether it was dirty)."""
+    kept, submodules = [], {}
+    for part in re.split(rb"(?m)^(?=diff --git )", patch):
+        header = re.match(rb"diff --git a/(.*?) b/", part)
+        found = SUBPROJECT.search(part)
+        if header and found and header.group(1).decode() in links:
+            submodules[header.group(1).decode()] = (found.group(1).decode(), bool(found.group(2)))
+        else:
+            kept.append(part)
+    return b"".join(kept), submodules
+
+
+def check_out_submodules(source: Path, checkout: Path, git: list[str], moved: dict[str, tuple[str, bool]],
+                         run_id: str, prefix: str = "") -> None:
+    """Each submodule of the checkout at the commit the training had, cloned from the workspace's
+    own checkout of it (no network), its submodules after it. What cannot be re-made is refused
+    before anything trains: a submodule with changes of its own, or one the workspace lacks."""
+    for path, recorded_commit in gitlinks(checkout, git).items():
+        full = prefix + path
+        commit, dirty = moved.get(full, (recorded_commit, False))
+        if dirty:
+            raise Refusal(f"run {run_id}: its submodule {full} had uncommitted changes, which its record cannot hold "
+                          f"(the patch keeps only '{commit[:12]}...-dirty'): commit them in {full}, and that commit "
+                          "in the project, then train again")
+        if not (source / path / ".git").exists():
+            raise Refusal(f"run {run_id}: its submodule {full} is not checked out in {source}: run `git submodule "
+                          "update --init --recursive` there, then reproduce again")
+        target = checkout / path
+        shutil.rmtree(target, ignore_errors=True)
+        for args, cwd in ((["clone", "--quiet", "--shared", "--no-checkout", str(source / path), str(target)], source),
+                          (["checkout", "--quiet", "--detach", commit], target)):
+            done = subprocess.run([*git, *args], cwd=cwd, capture_output=True, text=True)
+            if done.returncode:
+                raise Refusal(f"run {run_id}: its submodule {full} at {commit[:12]} cannot be checked out from "
+                              f"{source / path} ({done.stderr.strip().splitlines()[-1] if done.stderr.strip() else args[0]}): "
+                              "fetch that commit there")
+        check_out_submodules(source / path, target, git, moved, run_id, prefix=full + "/")
 
 
 def place_data(recorded: Recorded, workspace: Path, checkout: Path, env: dict[str, str],

@@ -425,3 +425,34 @@ def test_a_reproduction_leaves_the_registry_alone_and_stops_with_its_training(tm
         assert not list((project / ".dvc" / "tmp").glob("reproduce-*"))
         stopped = runs_reproducing(client, original)[: 3 if mode == "ddp" else 1]
         assert {r.info.status for r in stopped} == {"FAILED"}, [(r.info.run_name, r.info.status) for r in stopped]
+
+
+def test_a_submodule_is_checked_out_as_it_trained_and_a_dirty_one_refused(tmp_path, mnist_dir):
+    """The code imports a package from a git submodule: the reproduction checks it out at the
+    run's commit from the workspace's own copy (no network). A submodule with changes of its own
+    is refused before anything trains: the project's patch keeps only its '-dirty' mark."""
+    lib = tmp_path / "teamlib"
+    lib.mkdir()
+    (lib / "__init__.py").write_text("WIDTH = 64\n")
+    for command in (["init", "-q", "-b", "main"], ["add", "-A"], ["commit", "-qm", "teamlib"]):
+        run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *command], lib)
+    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 1}})
+    run(["git", "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "teamlib"], project)
+    model = project / "pipeline" / "model.py"
+    model.write_text(model.read_text().replace("from __future__ import annotations\n",
+                                               "from __future__ import annotations\n\nimport teamlib\n", 1)
+                     .replace("nn.Linear(32 * 7 * 7, 128)", "nn.Linear(32 * 7 * 7, teamlib.WIDTH)")
+                     .replace("nn.Linear(128, 10),\n    )\n\n\ndef classic", "nn.Linear(teamlib.WIDTH, 10),\n    )\n\n\ndef classic"))
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "the model from teamlib"], project)
+    prepare(project, mnist_dir)
+    train_cli(project, "single")
+    proc = reproduce(project, parent_of(project, "single"))
+    assert proc.returncode == 0 and verdict(proc).startswith("reproduce: reproduced bit for bit"), verdict(proc)
+
+    (project / "teamlib" / "__init__.py").write_text("WIDTH = 32\n")  # inside the submodule, uncommitted
+    train_cli(project, "single")
+    proc = reproduce(project, parent_of(project, "single"))
+    assert proc.returncode == 2, verdict(proc)
+    assert verdict(proc).startswith(f"reproduce: run {parent_of(project, 'single')}: its submodule teamlib had "
+                                    "uncommitted changes"), verdict(proc)
+    assert "reproduce: training" not in proc.stdout
