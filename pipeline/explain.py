@@ -78,7 +78,8 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
     measured = {mode: rank for mode, rank in measured.items() if rank}
     lines = ["## Where the time goes", ""]
     if not measured:
-        return "\n".join(lines + ["No step was measured (train.breakdown_steps: 0).", ""])
+        why = next((b["unmeasured"] for b in breakdowns.values() if b.get("unmeasured")), "train.breakdown_steps is 0")
+        return "\n".join(lines + [f"No step was measured: {why}.", ""])
     modes = list(measured)
     some = next(iter(measured.values()))
     lines += [f"The median of {some['steps']} steady-state steps of the last epoch ({some.get('windows', 1)} "
@@ -120,7 +121,8 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
     for mode, p in report["predictions"].items():
         if p is None:
             why = ("no link measured for this world (commcheck off, failed, or its all_reduce stopped below 64 KiB)"
-                   if scaling.slowest_rank(breakdowns[mode]) else "no step measured (train.breakdown_steps: 0)")
+                   if scaling.slowest_rank(breakdowns[mode]) else
+                   f"no step measured: {breakdowns[mode].get('unmeasured') or 'train.breakdown_steps is 0'}")
             lines.append(f"| {mode} | | | n/a: {why} | | | |")
             continue
         error = "n/a" if p["prediction_error"] is None else f"{p['prediction_error']:+.1%}"

@@ -66,10 +66,15 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
     # mode has one (a fast GPU's short epoch is mostly warm-up, which says nothing about the mode).
     throughput = "steady_samples_per_s" if all(steady(r.train) for r in results) else "samples_per_s"
     by_steps = all(r.step_times for r in results)
+    # Neither measured steps nor a steady state in every mode: whole epochs of warm-up, whose ratio
+    # says nothing about the modes (on 2 cores it reached 4.47x). No speed-up, and a warning why.
+    too_short = not by_steps and throughput == "samples_per_s"
     rows = []
     for r in results:
         step = spread.median_interval(r.step_times, r.windows)
-        if r is baseline:  # its own steps over themselves: exactly 1
+        if too_short and r is not baseline:
+            speedup = None
+        elif r is baseline:  # its own steps over themselves: exactly 1
             speedup = spread.Interval(1.0, 1.0, 1.0)
         elif baseline and by_steps:
             speedup = spread.speedup_interval(baseline.step_times, r.step_times, baseline.windows, r.windows)
@@ -103,6 +108,7 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
             "scaling_efficiency": efficiency.value if efficiency else None,
             "efficiency_interval": efficiency if by_steps and efficiency else None,
             "impossible": impossible(r.mode, speedup.value if speedup else None, r.speedup_bound, r.train["device"]),
+            "too_short": too_short_to_time(r) if too_short else None,
             "disturbed": spread.disturbances(r.mode, r.step_times, step, mean_steady, r.train.get("host_load")),
             "host_load": r.train.get("host_load"),
             "train_time_s": r.train["train_time_s"],
@@ -118,7 +124,20 @@ def warnings(row: dict) -> list[str]:
     """Everything that says a row's timing is not the mode's alone: compare prints, reports and
     tags each (it warns and does not fail: the models and accuracies stay good, and a rerun on a
     quiet host re-measures; docs/comparison.md)."""
-    return ([row["impossible"]] if row["impossible"] else []) + row["disturbed"]
+    return ([row[key] for key in ("too_short", "impossible") if row.get(key)]) + row["disturbed"]
+
+
+def unmeasured(results: list[ModeResult]) -> str:
+    """Why no step was measured, as the first mode's results say it (older ones: the setting)."""
+    return next((r.train["unmeasured"] for r in results if r.train.get("unmeasured")), "train.breakdown_steps is 0")
+
+
+def too_short_to_time(r: ModeResult) -> str:
+    """Why a mode's run had nothing to time, from its own results (older ones do not say)."""
+    reasons = [r.train.get("no_steady") or "no epoch had a step after the warm-up (train.throughput_warmup_steps)",
+               *([f"no step was measured: {r.train['unmeasured']}"] if r.train.get("unmeasured") else [])]
+    return (f"{r.mode}: too short to time, so no speed-up: {'; '.join(reasons)}. Train on more data "
+            "(data.train_limit), with a smaller train.batch_size or more steps per epoch")
 
 
 def impossible(mode: str, speedup: float | None, bound: int | None, device: str) -> str | None:
@@ -224,12 +243,14 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
                + (". DDP's comm timer, a hook that stays once attached, has the last window to itself: DDP's "
                   "step times come from the others, and every mode's samples/s after warm-up ends where that "
                   "window starts" if first["windows"] > 1 and any(row["mode"] == "ddp" for row in rows) else ""))
+    elif any(row.get("too_short") for row in rows):
+        how = ("No speed-up: every mode's run was too short to time (its warnings below say why), and "
+               "whole epochs of warm-up say nothing about the modes")
     else:
         how = ("Speed-up is samples/s over the single-device baseline"
                + (f", both after each epoch's first {first['warmup_steps']} steps (the warm-up: library handles, "
-                  "algorithm choice, kernel loading, DDP's bucket rebuild)" if first and first["speedup_from"]
-                  == "steady_samples_per_s" else ", over whole epochs (a mode had no steps after the warm-up)")
-               + ", with no interval: no step was measured (train.breakdown_steps: 0)")
+                  "algorithm choice, kernel loading, DDP's bucket rebuild)" if first else "")
+               + f", with no interval: no step was measured ({unmeasured(results)})")
     lines += [
         "",
         how + "; scaling efficiency is the speed-up "

@@ -43,6 +43,18 @@ def predicted_step_s(base: dict, link: scaling.Link | None, ranks: int, device: 
     return compute + exposed
 
 
+def beyond_hardware(ranks: int, smallest: int, speedup: float, bound: float, device: str) -> list[str]:
+    """compare's bound, here: a speed-up over the smallest world above the cores (CPU ranks share
+    them; the smallest world's threads already used them all) or the GPUs added is no measurement
+    of the ranks, but of the smallest world's run slowed (another job, a busy host)."""
+    if speedup <= bound:
+        return []
+    what = f"{bound:g} core(s)" if device == "cpu" else f"{bound:g}x the GPUs of {smallest} rank(s)"
+    return [f"ddp on {ranks} rank(s): a speed-up of {speedup:.2f}x over {smallest} rank(s) is more than its {what} "
+            f"allow: the run on {smallest} rank(s) was probably slowed by other work on the host; run make scaling "
+            "again on a quiet machine"]
+
+
 def curve(runs: dict[int, dict], link: scaling.Link | None, cores: int, devices: int) -> list[dict]:
     """One row per world size from each run's results/breakdown/ddp.json (`runs`: ranks -> it)."""
     sizes = sorted(runs)
@@ -69,7 +81,9 @@ def curve(runs: dict[int, dict], link: scaling.Link | None, cores: int, devices:
             "predicted_speedup": base_predicted / predicted if predicted and base_predicted else None,
             # More ranks than the cores they share: each time-shares a core (CPU ranks only).
             "oversubscribed": device == "cpu" and ranks > cores,
-            "warnings": spread.disturbances(f"ddp on {ranks} rank(s)", steps, step, None, runs[ranks].get("host_load")),
+            "warnings": [*beyond_hardware(ranks, sizes[0], speedup.value, cores if device == "cpu" else ideal, device),
+                         *spread.disturbances(f"ddp on {ranks} rank(s)", steps, step, None,
+                                              runs[ranks].get("host_load"))],
         })
     return rows
 

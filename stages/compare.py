@@ -54,8 +54,8 @@ def warning_tags(row: dict) -> dict[str, str] | None:
     tags = {}
     if row["impossible"]:
         tags["speedup_warning"] = row["impossible"]
-    if row["disturbed"]:
-        tags["timing_warning"] = "; ".join(row["disturbed"])
+    if row["disturbed"] or row.get("too_short"):
+        tags["timing_warning"] = "; ".join([*([row["too_short"]] if row.get("too_short") else []), *row["disturbed"]])
     return tags or None
 
 

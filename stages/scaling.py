@@ -89,6 +89,21 @@ def train_at(ranks: int, params: dict, data_dir: Path, folder: Path) -> dict:
     return {**breakdown, "host_load": train.get("host_load"), "cpu_cores": train.get("cpu_cores")}
 
 
+def check_measurable(config, data_dir: Path, params_path: str) -> None:
+    """Before any training: an epoch of the same global batch has the same steps at every world
+    size, so one that the traced steps take whole leaves no step to measure at any of them."""
+    from pipeline.loop import steps_per_epoch
+    from pipeline.prepared import load_stats
+
+    images = load_stats(data_dir)["splits"]["train"]["count"]
+    steps = steps_per_epoch(images, config.train.batch_size)
+    if steps <= config.train.trace_steps:
+        raise PipelineError(f"{params_path}: an epoch of {images} images in global batches of "
+                            f"{config.train.batch_size} has {steps} step(s), all of them traced (train.trace_steps: "
+                            f"{config.train.trace_steps}): no world size would measure a step; lower "
+                            "train.batch_size or train.trace_steps, or prepare more data (data.train_limit)")
+
+
 @click.command(short_help="DDP at several world sizes: the scaling curve (make scaling).")
 @params_option
 @click.option("--world-sizes", callback=parse_sizes, help="Comma-separated ranks, e.g. 1,2,4 (default: 1 to the "
@@ -105,6 +120,7 @@ def scaling(params_path: str, world_sizes: list[int] | None, data_dir: str, out:
                             "set it to 20 (the default)")
     if not (Path(data_dir) / "train.pt").is_file():
         raise PipelineError(f"{data_dir}: no prepared data; run `dvc repro prepare` (make scaling does) first")
+    check_measurable(config, Path(data_dir), params_path)
     if config.tracking.enabled:
         check_store(tracking_uri())
     report = Path(out) / "report"

@@ -27,7 +27,7 @@ from pipeline.config import MODES, Config, flatten, load_config, read_config
 from pipeline.determinism import use_deterministic_algorithms
 from pipeline.precision import float32_means_float32
 from pipeline.errors import PipelineError
-from pipeline.loop import TRACE_DIR, Training, to_device
+from pipeline.loop import TRACE_DIR, Training, steps_per_epoch, to_device
 from pipeline.loop import train as train_model
 from pipeline.mnist import IMAGE_SIZE
 from pipeline.prepared import STATS_FILE, Split, check_as_prepared, load_prepared, load_split, load_stats
@@ -50,7 +50,24 @@ CURVE_COLUMNS = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accur
                  "epoch_time_s")  # epoch_time_s: with the validation
 
 
-def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: list[dict]) -> dict:
+def untimed(config: Config, steps: int, history: list[dict]) -> dict[str, str | None]:
+    """Why an epoch of `steps` steps gave no steady throughput, and why the last one had no
+    measured step (None: it had them), naming the setting that took them."""
+    train = config.train
+    no_steady = (None if any(m.get("steady_samples_per_s") for m in history) else
+                 f"each epoch's {steps} step(s) are all warm-up (train.throughput_warmup_steps: "
+                 f"{train.throughput_warmup_steps})")
+    if history[-1].get("breakdown"):
+        unmeasured = None
+    elif not train.breakdown_steps:
+        unmeasured = "train.breakdown_steps is 0"
+    else:  # the window gives way to the traced steps (pipeline.breakdown.Probe.start_epoch)
+        unmeasured = (f"the last epoch's {steps} step(s) all went to train.trace_steps "
+                      f"({train.trace_steps})")
+    return {"no_steady": no_steady, "unmeasured": unmeasured}
+
+
+def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: list[dict], steps: int) -> dict:
     last = history[-1]
     train_time = sum(m["train_time_s"] for m in history)
     samples = sum(m["samples_per_s"] * m["train_time_s"] for m in history)
@@ -78,6 +95,9 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
         "steady_samples_per_s": (round(sum(m["steady_samples_per_s"] * m["steady_time_s"] for m in steady)
                                        / steady_time, 1) if steady_time else None),
         "warmup_steps": config.train.throughput_warmup_steps,
+        "steps_per_epoch": steps,
+        # Why no figure after the warm-up, or no measured step, when there is none (else None).
+        **untimed(config, steps, history),
         # The last epoch's mean step after the warm-up, slow ones included, beside its measured steps'
         # (pipeline.spread: far from theirs, the measured windows missed or caught a slow spell).
         "steady_step_s": (round(last["steady_time_s"] / last["steady_steps"], 6)
@@ -88,7 +108,8 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
     }
 
 
-def breakdown_summary(config: Config, mode: str, rank: parallel.Rank, device, history: list[dict]) -> dict:
+def breakdown_summary(config: Config, mode: str, rank: parallel.Rank, device, history: list[dict],
+                      steps: int) -> dict:
     """Where the last epoch's steps went, rank by rank (pipeline.breakdown), with what compare's
     scaling model needs to know about the run; `ranks` is empty with train.breakdown_steps: 0."""
     ranks = history[-1].get("breakdown") or []
@@ -97,6 +118,7 @@ def breakdown_summary(config: Config, mode: str, rank: parallel.Rank, device, hi
             "dp_devices": parallel.dp_device_count(device) if mode == "dp" else None,
             "batch_shares": batch_shares_label(config.train.batch_size, mode, rank, device),
             "ranks": [{"rank": r, **b} for r, b in enumerate(ranks) if b],
+            "unmeasured": untimed(config, steps, history)["unmeasured"],
             "link": measured_link(rank, device) if mode == "ddp" else None}
 
 
@@ -216,10 +238,11 @@ def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Ra
         "normalization": {"mean": data.mean, "std": data.std},
         "config": flatten(config),
     })
-    write_json(RESULTS_DIR / f"{mode}.json", summarize(config, mode, rank, device, history))
+    steps = steps_per_epoch(len(data.splits["train"].labels), config.train.batch_size)
+    write_json(RESULTS_DIR / f"{mode}.json", summarize(config, mode, rank, device, history, steps))
     write_text(curves, csv_text(history, CURVE_COLUMNS))
     write_text(STEPS_DIR / f"{mode}.csv", csv_text(step_rows(history), ("step", "epoch", "train_loss")))
-    write_json(BREAKDOWN_DIR / f"{mode}.json", breakdown_summary(config, mode, rank, device, history))
+    write_json(BREAKDOWN_DIR / f"{mode}.json", breakdown_summary(config, mode, rank, device, history, steps))
     write_json(run_ids_file(mode), runs.ids)
     # The run's files are uploaded from the mode's own folder only (delivery.op_checker): copies.
     run_files = out / RUN_FILES

@@ -36,6 +36,18 @@ def test_on_a_cpu_the_ideal_stays_flat_and_ranks_past_the_cores_are_marked():
 
 
 @pytest.mark.fast
+def test_a_speed_up_beyond_the_hardware_is_warned_of_as_compare_does():
+    """On 2 cores DDP measured 2.84x and 3.03x over one rank: more than the cores allow, so the
+    one-rank run was slowed; said, as compare says it of a starved single baseline."""
+    runs = {1: breakdown(1, 0.030), 2: breakdown(2, 0.0106), 3: breakdown(3, 0.0099), 4: breakdown(4, 0.020)}
+    rows = scaling_curve.curve(runs, LINK, cores=2, devices=0)
+    flagged = [row["ranks"] for row in rows if any("more than its 2 core(s) allow" in w for w in row["warnings"])]
+    assert flagged == [2, 3]
+    gpus = scaling_curve.curve({1: breakdown(1, 0.010, "cuda"), 2: breakdown(2, 0.0040, "cuda")}, LINK, 16, 2)
+    assert "more than its 2x the GPUs of 1 rank(s) allow" in gpus[1]["warnings"][0]
+
+
+@pytest.mark.fast
 def test_on_gpus_each_rank_adds_a_device_up_to_the_devices():
     runs = {1: breakdown(1, 0.010, "cuda"), 2: breakdown(2, 0.0055, "cuda"), 4: breakdown(4, 0.0040, "cuda")}
     rows = scaling_curve.curve(runs, LINK, cores=16, devices=2)
@@ -102,4 +114,13 @@ def test_bad_world_sizes_no_measured_steps_and_no_data_are_refused_in_one_line(t
     write_params(tmp_path / "params.yaml", train={"breakdown_steps": 0})
     off = CliRunner().invoke(main, ["scaling"])
     assert off.exit_code == 1 and "train.breakdown_steps is 0" in off.output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]  # nothing trained, nothing written
+    # Epochs of 2 steps, both traced: no world size could measure one, said before any training.
+    (tmp_path / "data" / "prepared").mkdir(parents=True)
+    (tmp_path / "data" / "prepared" / "train.pt").write_bytes(b"")
+    (tmp_path / "data" / "prepared" / "stats.json").write_text(json.dumps({"splits": {"train": {"count": 1000}}}))
+    write_params(tmp_path / "params.yaml", train={"batch_size": 500}, tracking={"enabled": False})
+    short = CliRunner().invoke(main, ["scaling", "--world-sizes", "1,2"])
+    assert short.exit_code == 1 and "has 2 step(s), all of them traced (train.trace_steps: 2)" in short.output, \
+        short.output
+    assert not (tmp_path / "scaling").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "params.yaml"]  # nothing trained, nothing written
