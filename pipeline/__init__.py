@@ -23,17 +23,20 @@ def _only_this_projects_code() -> None:
 def _record_imports() -> None:
     """Keep the sha256 of each `pipeline` and `stages` source file as this process imports it
     (pipeline.record.check_code_as_imported): a run records the files on disk, which an editor may
-    have saved since the imports (a fork server imports long before its workers record)."""
+    have saved since the imports (a fork server imports long before its workers record). Each
+    module runs the very bytes hashed, compiled afresh: a cached .pyc is trusted by its source's
+    mtime to the second and its size, which an edit within the second keeps (about 40 ms a process)."""
     import hashlib
     import importlib.machinery
     import sys
+    from pathlib import Path
 
-    imported: dict[str, str] = {}
+    imported: dict[str, str | None] = {}
+    ours = tuple(str(Path(__file__).resolve().parent.parent / name) + "/" for name in ("pipeline", "stages"))
 
     def digest(path: str) -> str | None:
         try:
-            with open(path, "rb") as handle:
-                return hashlib.sha256(handle.read()).hexdigest()
+            return hashlib.sha256(Path(path).read_bytes()).hexdigest()
         except OSError:
             return None
 
@@ -44,19 +47,19 @@ def _record_imports() -> None:
                 return None
             spec = importlib.machinery.PathFinder.find_spec(name, path)
             loader = getattr(spec, "loader", None)
-            if spec is not None and (spec.origin or "").endswith(".py") and hasattr(loader, "exec_module"):
-                run = loader.exec_module
-
-                def exec_module(module, _run=run, _origin=spec.origin):
-                    imported[_origin] = digest(_origin)  # the bytes as the module runs them (or its .pyc of them)
-                    _run(module)
+            if spec is not None and (spec.origin or "").endswith(".py") and hasattr(loader, "source_to_code"):
+                def exec_module(module, _origin=spec.origin, _loader=loader):
+                    source = _loader.get_data(_origin)
+                    imported[_origin] = hashlib.sha256(source).hexdigest()
+                    exec(_loader.source_to_code(source, _origin), module.__dict__)
 
                 loader.exec_module = exec_module
             return spec
 
-    for name, module in list(sys.modules.items()):  # this package, and whatever imported it
-        origin = getattr(module, "__file__", None)
-        if name.partition(".")[0] in ("pipeline", "stages") and origin and origin.endswith(".py"):
+    # This package, and what imported it (stages.entry; `python -m stages`'s __main__).
+    for module in list(sys.modules.values()):
+        origin = getattr(module, "__file__", None) or ""
+        if origin.endswith(".py") and str(Path(origin).resolve()).startswith(ours):
             imported.setdefault(origin, digest(origin))
     sys.meta_path.insert(0, Recorder())
     sys.modules[__name__].IMPORTED_SOURCES = imported

@@ -378,7 +378,8 @@ class Probe:
                                         if self.comm and comm_total > 0 else None)
         if self.comm:
             out["buckets"] = self.bucket_layout()
-            out.update(self.sync_steps())
+            if not apart:  # else its window's compute is no sample of the others' (pipeline.scaling.predict)
+                out.update(self.sync_steps())
             self.comm.calls.clear()
         if self.dp_parts.get("scatter"):  # on one GPU DataParallel only scatters, then calls the module
             out["dp_median_s"] = {part: statistics.median(self.clock.seconds(a, b) for a, b in self.dp_parts[part])

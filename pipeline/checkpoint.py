@@ -109,7 +109,7 @@ def inputs_snapshot(data_dir: Path, code_dirs: list[Path]) -> dict[str, dict[str
     """What decides a training besides its settings, file by file: the code (each Python file of
     the packages) and the prepared data. A training goes on, and its outputs are recorded, only if
     these are as they were when it started."""
-    data = {str(path): file_digest(path)
+    data = {f"{data_dir.name}/{path.name}": file_digest(path)
             for path in sorted(data_dir.iterdir()) if path.is_file()} if data_dir.is_dir() else {}
     return {"code": code_file_digests(code_dirs), "data": data}
 

@@ -128,11 +128,11 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
         error = "n/a" if p["prediction_error"] is None else f"{p['prediction_error']:+.1%}"
         lines.append(f"| {mode} | {p['world_size']} | {_ms(p['measured_step_s'])} | {_ms(p['predicted_step_s'])} | "
                      f"{error} | {_ms(p['predicted_comm_s'])} | {_ms(p['predicted_exposed_s'])} |")
-    lines += ["", "The measured step is the step time above. DDP's prediction: at each step, the compute of the "
-                  "rank that was slowest "
-                  "to hand its last bucket over, the median of those, plus the exposed all-reduce the model computes "
-                  "from commcheck's measured link at DDP's bucket sizes. A mode on one device has no communication "
-                  "to predict: its row checks that the phases add up to the step.",
+    lines += ["", "The measured step is the step time above. DDP's prediction: the compute of the rank slowest at "
+                  "each step, plus the exposed all-reduce the model computes from commcheck's measured link at DDP's "
+                  "bucket sizes (with the comm timer in a window of its own: the measured step with the all-reduce "
+                  "its window saw replaced by the model's). A mode on one device has no communication to predict: "
+                  "its row checks that the phases add up to the step.",
               "", "### Projected", "", "| mode | link | devices | global batch | step (ms) | communication (ms) "
               "| exposed (ms) | samples/s | scaling efficiency |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for p in report["projections"]:

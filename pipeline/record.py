@@ -157,13 +157,15 @@ def git(*args: str, cwd: Path | None = None) -> str:
         return ""
 
 
-# Whatever the user's git config says: a patch `git apply` takes as it is (prefixes a/ and b/, no
-# textconv or external diff, no colour, the whole tree however deep the working directory).
 # Settings under which git neither converts line ends nor "fixes" whitespace: the working tree's
 # bytes are what a patch records and what a checkout plus that patch gives back.
 BYTE_EXACT_GIT = ["-c", "core.autocrlf=false", "-c", "core.safecrlf=false", "-c", "apply.whitespace=nowarn"]
+# Whatever the user's git config says: a patch `git apply` takes as it is (prefixes a/ and b/, no
+# textconv or external diff, no colour, the whole tree however deep the working directory), with
+# each submodule as its "Subproject commit" lines, however a config or .gitmodules would hide it.
 PATCH_COMMAND = ["git", *BYTE_EXACT_GIT, "-c", "diff.noprefix=false", "-c", "diff.relative=false", "diff", "HEAD",
-                 "--binary", "--no-textconv", "--no-ext-diff", "--no-color", "--src-prefix=a/", "--dst-prefix=b/"]
+                 "--binary", "--no-textconv", "--no-ext-diff", "--no-color", "--src-prefix=a/", "--dst-prefix=b/",
+                 "--submodule=short", "--ignore-submodules=none"]
 
 
 def uncommitted_patch(cwd: Path | None = None) -> bytes:

@@ -48,34 +48,39 @@ class Refusal(PipelineError):
 
 
 class Stopped(BaseException):
-    """A stop signal (Ctrl-C, SIGTERM) ended the reproduction, after the training it started ended
-    (its runs FAILED) and before its checkout was removed: exit 128 + the signal, never 1 ("differs")."""
+    """A stop signal (Ctrl-C, SIGTERM) ended the reproduction: after the stage it was running (if
+    any) ended too, and before its checkout is removed. Exit 128 + the signal, never 1 ("differs")."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, during: str | None = None):
         super().__init__(signal.Signals(signum).name)
-        self.signum, self.code = signum, 128 + signum
+        self.signum, self.code, self.during = signum, 128 + signum, during
 
 
-_child: subprocess.Popen | None = None  # the stage the reproduction is running, if any
-_stopping: list[int] = []
+_child: subprocess.Popen | None = None  # the stage the reproduction is running
+_launching = False  # starting it: a signal now is passed on as soon as it runs
+_passed: list[int] = []  # the stop signals passed on to it, each kind once
 
 
 def _on_stop(signum, frame) -> None:
-    """While a stage runs, pass the signal on to it (a Ctrl-C from a terminal reached it already:
-    it ignores the second) and let it end its runs; _run raises once it is gone. Otherwise stop now."""
-    if _child is not None and _child.poll() is None:
-        if not _stopping:
-            _stopping.append(signum)
+    """While a stage starts or runs, pass each kind of stop signal on to it once (a Ctrl-C from a
+    terminal reached it already: it ignores the second) and let it end its runs; _run raises once
+    it is gone. Otherwise stop now."""
+    if not (_launching or _child is not None):
+        raise Stopped(signum)
+    if signum not in _passed:
+        _passed.append(signum)
+        if _child is not None:
             _child.send_signal(signum)
-        return
-    raise Stopped(signum)
 
 
 @contextmanager
 def stops_cleanly() -> Iterator[None]:
     """SIGTERM and Ctrl-C unwind the reproduction (its temporary checkout is removed) and never
-    leave the training it started running on its own."""
-    previous = {sig: signal.signal(sig, _on_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    leave the training it started running on its own. Where Ctrl-C is ignored (nohup, `&`) it stays so."""
+    _passed.clear()
+    stops = [signal.SIGTERM] + ([signal.SIGINT] if signal.getsignal(signal.SIGINT) is signal.default_int_handler
+                                else [])
+    previous = {sig: signal.signal(sig, _on_stop) for sig in stops}
     try:
         yield
     finally:
@@ -132,15 +137,21 @@ def read_record(store: RunStore, run_id: str) -> Recorded:
 
 def commit_of_image(run_id: str, name: str, tags: dict[str, str]) -> dict[str, str]:
     """A run trained where git could not look (the self-contained image has no .git): the commit
-    its image was built from, which the image recorded (`git describe --dirty` at the build), as a
-    clean tree of that commit; the code digest then checks that the image's code was that."""
+    its image was built from, as the build's `git describe --always --dirty --abbrev=40` named it
+    (a full id, "TAG-N-g<id>", or a tag), as a clean tree of that commit; the code digest then
+    checks that the image's code was that."""
     source = tags.get("image_source_commit", "")
-    if re.fullmatch(r"[0-9a-f]{40}", source):
-        return {"git_commit": source, "git_dirty": "false"}
     if source.endswith("-dirty"):
         raise Refusal(f"run {run_id} ({name}) ran in an image built from a tree with uncommitted changes "
                       f"({source}), which the image keeps no patch of: build it from a commit")
-    raise Refusal(f"run {run_id} ({name}) records no commit (it was trained outside a git repository)")
+    found = re.fullmatch(r"(?:.+-g)?([0-9a-f]{40})", source)
+    commit = found.group(1) if found else (
+        record.git("rev-parse", "--verify", "--quiet", f"{source}^{{commit}}", cwd=record.project_folder()).strip()
+        if source and source != "unknown" else "")
+    if commit:
+        return {"git_commit": commit, "git_dirty": "false"}
+    raise Refusal(f"run {run_id} ({name}) records no commit (it was trained outside a git repository"
+                  + (f", in an image built from {source!r}, which this repository does not name)" if source else ")"))
 
 
 def _artifact_bytes(store: RunStore, run_id: str, path: str, what: str) -> bytes:
@@ -317,16 +328,28 @@ def place_data(recorded: Recorded, workspace: Path, checkout: Path, env: dict[st
 
 
 def _run(command: list[str], cwd: Path, env: dict[str, str], what: str, cpus: set[int] | None = None) -> None:
-    global _child
-    with subprocess.Popen(command, cwd=cwd, env=env,
-                          preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus)) as child:
+    """A stage of the reproduction (`what`), waited for; a stop signal meanwhile stops it, then this.
+    `cpus`: the cores it may use, inherited from this thread's (set for the start alone)."""
+    global _child, _launching
+    before = os.sched_getaffinity(0) if cpus is not None else None
+    _launching = True
+    try:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        child = subprocess.Popen(command, cwd=cwd, env=env)
         _child = child
-        try:
-            returncode = child.wait()  # a stop signal meanwhile is passed on (_on_stop); the wait goes on
-        finally:
-            _child = None
-    if _stopping:
-        raise Stopped(_stopping[0])
+    finally:
+        _launching = False
+        if before is not None:
+            os.sched_setaffinity(0, before)
+    try:
+        for signum in list(_passed):  # arrived while it was starting
+            child.send_signal(signum)
+        returncode = child.wait()  # a stop signal meanwhile is passed on (_on_stop); the wait goes on
+    finally:
+        _child = None
+    if _passed:
+        raise Stopped(_passed[0], during=what)
     if returncode:
         raise PipelineError(f"the reproduction's {what} failed (exit code {returncode}); its output is above")
 

@@ -10,7 +10,9 @@ DDP: each gradient bucket is handed to the backend once its gradients are ready,
 fraction of the way through the backward's compute; the backend reduces the buckets one after
 another; whatever is still running when the backward's compute ends is exposed. The ranks meet
 in every all-reduce, so a step, from one all-reduce's end to the next's, is the compute of the
-rank slowest to hand its last bucket over, plus that exposed communication.
+rank slowest to hand its last bucket over, plus that exposed communication. Where the comm timer
+had a window of its own (pipeline.breakdown), the compute is the measured steps' less the exposed
+all-reduce that window saw.
 
 DataParallel (one process, several GPUs): the forward is scatter + replicate + replicas + gather,
 each measured on GPU 0's stream. So "replicas" is GPU 0's replica, and gather holds the wait for
@@ -109,8 +111,15 @@ def predict(breakdown: dict, link: Link | None) -> dict | None:
             return None
         comm, exposed = ddp_exposed_s(rank.get("buckets", []), m["backward_compute"], link, breakdown["world_size"])
         pre_sync = slowest_pre_sync(breakdown)
-        # From all-reduce to all-reduce: the slowest rank's compute, then the communication.
-        predicted = (m["compute"] if pre_sync is None else statistics.median(pre_sync)) + exposed
+        if pre_sync is not None:  # from all-reduce to all-reduce: the slowest rank's compute, then the communication
+            predicted = statistics.median(pre_sync) + exposed
+        elif series and rank.get("buckets"):
+            # The comm timer had a window of its own (pipeline.breakdown): the measured steps, each on
+            # the rank slowest at it, with the all-reduce they waited for (its window's median)
+            # replaced by the model's.
+            predicted = measured - m["comm_exposed"] + exposed
+        else:
+            predicted = m["compute"] + exposed
     elif len(rank.get("dp_median_s") or {}) == 4:  # DataParallel over 2 or more GPUs
         parts = rank["dp_median_s"]
         comm, exposed = parts["scatter"] + parts["gather"], 0.0

@@ -81,7 +81,9 @@ def curve(runs: dict[int, dict], link: scaling.Link | None, cores: int, devices:
             "predicted_speedup": base_predicted / predicted if predicted and base_predicted else None,
             # More ranks than the cores they share: each time-shares a core (CPU ranks only).
             "oversubscribed": device == "cpu" and ranks > cores,
-            "warnings": [*beyond_hardware(ranks, sizes[0], speedup.value, cores if device == "cpu" else ideal, device),
+            # On a CPU the smallest world kept min(its ranks, the cores) busy at least: the rest is the most more ranks add.
+            "warnings": [*beyond_hardware(ranks, sizes[0], speedup.value,
+                                          cores / min(sizes[0], cores) if device == "cpu" else ideal, device),
                          *spread.disturbances(f"ddp on {ranks} rank(s)", steps, step, None,
                                               runs[ranks].get("host_load"))],
         })

@@ -235,7 +235,7 @@ status=$?
 set -e
 case $status in
     0) ;;
-    2) echo "image-check: the lock under Python 3.12 NOT checked: no Python 3.12 on this host" >&2; py312= ;;
+    77) echo "image-check: the lock under Python 3.12 NOT checked: no Python 3.12 on this host" >&2; py312= ;;
     *) echo "image-check: the lock under Python 3.12 failed (scripts/lock-under-python.sh exit $status)" >&2; exit 1 ;;
 esac
 "$root/.venv/bin/python" - "$checkout" "$host" "$py312" <<'PY'

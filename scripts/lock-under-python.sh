@@ -7,7 +7,7 @@
 #
 #   bash scripts/lock-under-python.sh CHECKOUT WORK [VERSION]    # VERSION default 3.12
 #
-# Exit 2 with one line when no such Python is on this host.
+# Exit 77 with one line when no such Python is on this host (any other failure: its own code).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 checkout=$1 work=$2 version=${3:-3.12}
@@ -16,7 +16,7 @@ if [ -z "$python" ]; then
     python=$(command -v "python$version" || true)
     case $python in */shims/*) python= ;; esac  # a pyenv shim may name no interpreter
 fi
-[ -n "$python" ] || { echo "lock-under-python: no Python $version on this host (pyenv install $version, or put python$version on PATH)" >&2; exit 2; }
+[ -n "$python" ] || { echo "lock-under-python: no Python $version on this host (pyenv install $version, or put python$version on PATH)" >&2; exit 77; }
 
 venv="$work/venv-$version"
 if [ ! -f "$venv/.locked" ] || ! cmp -s "$venv/.locked" "$root/requirements.lock"; then
@@ -31,8 +31,9 @@ rm -rf "$copy" && mkdir -p "$copy"
 (cd "$checkout" && git -c safe.directory="$checkout" ls-files -z --cached --others --exclude-standard | xargs -0 cp --parents -t "$copy")
 cp "$checkout/params.yaml" "$copy/params.yaml"
 # `python -m pipeline` from the copy: its own code, not an installed package's.
-(cd "$copy" && "$venv/bin/python" -I -c 'import sys; print(sys.version.split()[0])' >&2 \
-    && PYTHONSAFEPATH= "$venv/bin/python" -m pipeline prepare >&2 \
+# The copy's folder first on sys.path (`python -m`), which PYTHONSAFEPATH would drop.
+(cd "$copy" && unset PYTHONSAFEPATH && "$venv/bin/python" -I -c 'import sys; print(sys.version.split()[0])' >&2 \
+    && "$venv/bin/python" -m pipeline prepare >&2 \
     && "$venv/bin/python" -m pipeline train --mode single >&2)
 "$venv/bin/python" -c '
 import hashlib, sys

@@ -35,8 +35,9 @@ def reproduce(run: str) -> None:
         with remake.stops_cleanly():
             code, verdict = remake.reproduce(run_id_of(run, workspace), workspace, click.echo)
     except remake.Stopped as stop:
-        click.echo(f"reproduce: stopped ({stop}): the training it started ended, its runs FAILED; its "
-                   "checkout is removed", err=True)
+        click.echo(f"reproduce: stopped ({stop}): "
+                   + (f"its {stop.during} stopped too (its runs FAILED)" if stop.during else "while nothing ran")
+                   + "; its checkout is removed", err=True)
         sys.exit(stop.code)
     except remake.Refusal as exc:
         click.echo(f"reproduce: {exc}", err=True)

@@ -222,7 +222,10 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
             run = Training(config.train, mode, rank, device, out, resume_state=state, epoch_hooks=[runs.log_epoch],
                            extra_state={"mlflow": runs.ids}, log_every_n_steps=config.tracking.log_every_n_steps)
             model, history = train_model(run, train_split, val_split)
+            # Before the runs end FINISHED: a module imported late ran the bytes saved meanwhile.
+            record.check_code_as_imported()
             if rank.is_main:
+                inputs_unchanged(mode, data_dir, required=False)
                 write_outputs(config, params_text, mode, rank, device, model, history, data, runs)
             trace = out / TRACE_DIR / f"trace-rank-{rank.rank}.json"  # opens in Perfetto (ui.perfetto.dev)
             runs.log_rank_artifacts([rank_log, *([trace] if trace.is_file() else [])])
@@ -426,11 +429,15 @@ def params_unchanged(path: Path, text: str, config: Config) -> None:
                         "read at its start, so DVC records nothing; run it again to train with the new settings")
 
 
-def inputs_unchanged(mode: str, data_dir: Path) -> None:
+def inputs_unchanged(mode: str, data_dir: Path, required: bool = True) -> None:
     """The code and the prepared data are still what this training read at its start (pick_up's
     snapshot): DVC hashes a stage's dependencies after it runs, so a file saved meanwhile would go
-    into dvc.lock beside a model it never trained. The stage fails instead, and DVC records nothing."""
+    into dvc.lock beside a model it never trained. The stage fails instead, and DVC records nothing.
+    Rank 0 checks it before its runs end (`required`: False where no launcher took a snapshot, as
+    under a torchrun started by hand); the launcher again once every worker is done."""
     then = (unfinished(model_dir(mode)) or {}).get("inputs")
+    if then is None and not required:
+        return
     changed = checkpoint.inputs_changed(then, checkpoint.inputs_snapshot(data_dir, CODE_DIRS))
     if changed:
         raise PipelineError(f"{changed} while this training ran: its outputs are of the code and data it read at "

@@ -206,6 +206,8 @@ def records(trained) -> dict[str, str]:
             "image": made("single", git_commit="unknown", git_dirty="unknown",
                           image_source_commit=good.data.tags["git_commit"]),
             "dirty image": made("single", git_commit="unknown", image_source_commit="0123abcd-dirty"),
+            "described image": made("single", git_commit="unknown",  # `git describe` past a tag
+                                    image_source_commit=f"v1.0-3-g{good.data.tags['git_commit']}"),
             "no model": made("single")}
 
 
@@ -219,6 +221,7 @@ def records(trained) -> dict[str, str]:
     ("gpus", f"trained on {GPUS_HERE + 1} CUDA device(s); this host has {GPUS_HERE}"),
     ("no model", "its logged model is not there"),
     ("image", "its logged model is not there"),  # past the commit: the image's is used
+    ("described image", "its logged model is not there"),
     ("dirty image", "ran in an image built from a tree with uncommitted changes (0123abcd-dirty)"),
     ("unknown run", "no such run"),
     ("no store", "does not answer"),

@@ -188,7 +188,7 @@ def test_what_changed_in_the_code_or_the_data_is_named(tmp_path):
     then = inputs_snapshot(data, folders)
     assert list(then["code"]) == ["pipeline/loop.py"] and inputs_changed(then, inputs_snapshot(data, folders)) is None
     (tmp_path / "data" / "train.pt").write_bytes(b"other images")
-    assert inputs_changed(then, inputs_snapshot(data, folders)) == f"{data / 'train.pt'} changed"
+    assert inputs_changed(then, inputs_snapshot(data, folders)) == "data/train.pt changed"
     (tmp_path / "pipeline" / "extra.py").write_text("")
     assert inputs_changed(then, inputs_snapshot(data, folders)) == "pipeline/extra.py appeared"
     assert "older version" in inputs_changed("0123abcd", then)  # an interrupted training's record from before
@@ -201,8 +201,7 @@ def test_resume_after_a_code_edit_is_refused_and_an_edit_during_training_is_not_
 
     from tests.conftest import make_project, prepare, project_env, subprocess_env
 
-    project = make_project(tmp_path / "proj", {**SMALL, "tracking": {"enabled": False},
-                                               "train": {**SMALL["train"], "epochs": 40}})
+    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 40}})
     prepare(project, mnist_dir)
     crashed = train_cli(project, "single", check=False, MNIST_PIPELINE_CRASH_AFTER_EPOCH="1")
     assert crashed.returncode == 75
@@ -227,3 +226,7 @@ def test_resume_after_a_code_edit_is_refused_and_an_edit_during_training_is_not_
     assert "pipeline/report.py changed while this training ran: its outputs are of the code and data" in output, \
         output[-2000:]
     assert (project / "models/single/unfinished.json").is_file()  # not recorded as a finished training
+    (run_id,) = [json.loads((project / "models/single/mlflow_run.json").read_text())["parent"]]
+    from mlflow import MlflowClient
+
+    assert MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_run(run_id).info.status == "FAILED"

@@ -30,7 +30,9 @@ def run_name(name: str) -> str:
 
 def git_facts() -> dict[str, str]:
     commit = record.git("rev-parse", "HEAD").strip()
-    dirty = record.git("status", "--porcelain", "--untracked-files=no").strip()
+    # As the patch sees it (pipeline.record.PATCH_COMMAND): bytes, line ends included, and submodules.
+    dirty = record.git(*record.BYTE_EXACT_GIT, "status", "--porcelain", "--untracked-files=no",
+                       "--ignore-submodules=none").strip()
     return {"git_commit": commit or "unknown", "git_dirty": str(bool(dirty)).lower() if commit else "unknown"}
 
 
