@@ -3,6 +3,7 @@
 import importlib
 import logging
 import os
+import secrets
 import sys
 import time
 import traceback
@@ -14,6 +15,7 @@ from pipeline import __version__, malloc
 from pipeline.tracking import helper as tracking_helper
 from pipeline.runtime import forkserver
 from pipeline.errors import PipelineError
+from pipeline.unfinished import SNAPSHOT_ENV
 
 DEBUG_ENV = "MNIST_PIPELINE_DEBUG"  # =1: every error also shows its traceback
 # True in a fork of the warm server (pipeline/runtime/warm_server.py sets it before the command runs): that
@@ -56,6 +58,7 @@ class PipelineGroup(click.Group):
             elif launches_local_workers(args[0], args[1:]):
                 from stages.common import WORKER_PRELOAD
 
+                name_the_training()
                 forkserver.start(WORKER_PRELOAD[args[0]])
             elif logs_after_training(args[0], args[1:]):
                 tracking_helper.start()
@@ -81,11 +84,18 @@ def run_in_warm_fork(args: list[str], prog: str) -> None:
     global in_warm_fork
     in_warm_fork = True
     if launches_local_workers(args[0], args[1:]):
+        name_the_training()
         try:
             forkserver.fork_here()
         except OSError:  # the launch starts one the usual way
             pass
     main(args=args, prog_name=prog)
+
+
+def name_the_training() -> None:
+    """The token of the training this command starts, set before the fork server copies the
+    environment its workers get (stages.train.pick_up writes it into the training's record)."""
+    os.environ.setdefault(SNAPSHOT_ENV, secrets.token_hex(8))
 
 
 def launches_local_workers(name: str, args: list[str]) -> bool:

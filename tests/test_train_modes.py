@@ -213,20 +213,22 @@ def test_resume_after_a_code_edit_is_refused_and_an_edit_during_training_is_not_
             "with other code or data than its record names") in refused.stderr, refused.stderr[-2000:]
     assert torch.load(project / "models/single/checkpoint.pt", weights_only=True)["epoch"] == 1  # kept
 
-    with subprocess.Popen(["mnist-pipeline", "train", "--mode", "single"], cwd=project, stderr=subprocess.PIPE,
-                          text=True, env=subprocess_env(**project_env(project))) as proc:
-        lines = []
-        for line in proc.stderr:
-            lines.append(line)
-            if "single epoch 2/40" in line:  # training: save a file of the code
-                report.write_text(report.read_text() + "# another edit\n")
-        proc.wait(timeout=300)
-    output = "".join(lines)
-    assert proc.returncode == 1, output[-2000:]
-    assert "pipeline/report.py changed while this training ran: its outputs are of the code and data" in output, \
-        output[-2000:]
-    assert (project / "models/single/unfinished.json").is_file()  # not recorded as a finished training
-    (run_id,) = [json.loads((project / "models/single/mlflow_run.json").read_text())["parent"]]
     from mlflow import MlflowClient
 
-    assert MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_run(run_id).info.status == "FAILED"
+    for mode in ("single", "ddp"):  # trained here, and by DDP's workers (forks of its fork server)
+        with subprocess.Popen(["mnist-pipeline", "train", "--mode", mode], cwd=project, stderr=subprocess.PIPE,
+                              text=True, env=subprocess_env(**project_env(project))) as proc:
+            lines = []
+            for line in proc.stderr:
+                lines.append(line)
+                if f"{mode} epoch 2/40" in line:  # training: save a file of the code
+                    report.write_text(report.read_text() + "# another edit\n")
+            proc.wait(timeout=300)
+        output = "".join(lines)
+        assert proc.returncode == 1, output[-2000:]
+        assert "pipeline/report.py changed while this training ran: its outputs are of the code and data" in output, \
+            output[-2000:]
+        assert (project / "models" / mode / "unfinished.json").is_file()  # not recorded as a finished training
+        run_id = json.loads((project / "models" / mode / "mlflow_run.json").read_text())["parent"]
+        # Said before the runs ended: not a FINISHED run whose record names the code at its start.
+        assert MlflowClient(f"sqlite:///{project / 'mlflow.db'}").get_run(run_id).info.status == "FAILED"
