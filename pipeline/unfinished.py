@@ -12,9 +12,6 @@ from pathlib import Path
 # logged the model to the run it names ("" untracked).
 UNFINISHED_FILE = "unfinished.json"
 OUTPUTS_COMPLETE = "outputs_complete"
-# Names the record a `train` command writes (its "snapshot"), in the environment its workers
-# inherit: a worker finding a record without its token knows it is another training's.
-SNAPSHOT_ENV = "MNIST_PIPELINE_INPUTS_SNAPSHOT"
 
 
 def unfinished(out_dir: Path) -> dict | None:

@@ -15,7 +15,6 @@ from pipeline import __version__, malloc
 from pipeline.tracking import helper as tracking_helper
 from pipeline.runtime import forkserver
 from pipeline.errors import PipelineError
-from pipeline.unfinished import SNAPSHOT_ENV
 
 DEBUG_ENV = "MNIST_PIPELINE_DEBUG"  # =1: every error also shows its traceback
 # True in a fork of the warm server (pipeline/runtime/warm_server.py sets it before the command runs): that
@@ -95,7 +94,7 @@ def run_in_warm_fork(args: list[str], prog: str) -> None:
 def name_the_training() -> None:
     """The token of the training this command starts, set before the fork server copies the
     environment its workers get (stages.train.pick_up writes it into the training's record)."""
-    os.environ.setdefault(SNAPSHOT_ENV, secrets.token_hex(8))
+    os.environ.setdefault(forkserver.SNAPSHOT_ENV, secrets.token_hex(8))
 
 
 def launches_local_workers(name: str, args: list[str]) -> bool:

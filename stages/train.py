@@ -23,7 +23,7 @@ from pipeline import checkpoint, gpus, parallel, record
 from pipeline.runtime import forkserver, lockfile
 from pipeline.atomic import in_the_way, save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, resume_state, trajectory
-from pipeline.unfinished import OUTPUTS_COMPLETE, SNAPSHOT_ENV, UNFINISHED_FILE, unfinished
+from pipeline.unfinished import OUTPUTS_COMPLETE, UNFINISHED_FILE, unfinished
 from pipeline.config import MODES, Config, flatten, load_config, read_config
 from pipeline.determinism import use_deterministic_algorithms
 from pipeline.precision import float32_means_float32
@@ -323,7 +323,7 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
     complete = {OUTPUTS_COMPLETE: record[OUTPUTS_COMPLETE]} if go_on and OUTPUTS_COMPLETE in (record or {}) else {}
     write_json(out / UNFINISHED_FILE, {"inputs": inputs, "settings": settings,
                                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                       "snapshot": os.environ[SNAPSHOT_ENV], **complete})
+                                       "snapshot": os.environ[forkserver.SNAPSHOT_ENV], **complete})
     return go_on
 
 
@@ -404,7 +404,7 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
         # Names this training's record for its workers, who inherit it (stages.cli sets it before the
         # DDP fork server starts): a record they find without it is another training's, left where
         # an outer launcher (torchrun, a scheduler) runs them.
-        os.environ.setdefault(SNAPSHOT_ENV, secrets.token_hex(8))
+        os.environ.setdefault(forkserver.SNAPSHOT_ENV, secrets.token_hex(8))
         resume = pick_up(config, mode, Path(data_dir), asked=resume)
         if mode == "ddp" or slurm.launcher(config) == "slurm":
             launch(config, mode, params_path, data_dir, resume)
@@ -442,7 +442,7 @@ def inputs_unchanged(mode: str, data_dir: Path, required: bool = True) -> None:
     Rank 0 checks it before its runs end (`required`: False, and only against its own launcher's
     snapshot, not one an outer launcher left); the launcher again once every worker is done."""
     record = unfinished(model_dir(mode)) or {}
-    if not required and (record.get("snapshot") is None or record.get("snapshot") != os.environ.get(SNAPSHOT_ENV)):
+    if not required and (record.get("snapshot") is None or record.get("snapshot") != os.environ.get(forkserver.SNAPSHOT_ENV)):
         return
     then = record.get("inputs")
     changed = checkpoint.inputs_changed(then, checkpoint.inputs_snapshot(data_dir, CODE_DIRS))

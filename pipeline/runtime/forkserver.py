@@ -63,6 +63,12 @@ def check_socket_path() -> None:
             f"to a folder of at most {UNIX_PATH_MAX - SOCKET_NAME_BYTES} bytes (e.g. TMPDIR=/tmp)")
 
 
+# Names the training a `train` command starts (the "snapshot" of its record, unfinished.json), in
+# the environment the fork server copies for its workers: a worker finding a record without its
+# token knows it is another training's. Set before the server starts (stages.cli).
+SNAPSHOT_ENV = "MNIST_PIPELINE_INPUTS_SNAPSHOT"
+
+
 def start(preload: list[str]) -> None:
     """Start the fork server for a command's workers now, if it is not running: it imports the
     modules `preload` names (stages.common.WORKER_PRELOAD) in the background while this process
