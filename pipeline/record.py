@@ -84,15 +84,8 @@ def changed_since_import() -> list[Path]:
     the fork server it came from) imported: edited, or gone."""
     import pipeline
 
-    changed = []
-    for origin, imported in pipeline.IMPORTED_SOURCES.items():
-        try:
-            now = hashlib.sha256(Path(origin).read_bytes()).hexdigest()
-        except OSError:
-            now = None
-        if now != imported:
-            changed.append(Path(origin))
-    return changed
+    return [Path(origin) for origin, imported in pipeline.IMPORTED_SOURCES.items()
+            if file_digest(Path(origin)) != imported]
 
 
 def check_code_as_imported() -> None:

@@ -32,7 +32,6 @@ from pipeline.tracking.runs import PARENT_TAG
 from pipeline.tracking.store import check_store, shown, store_errors, tracking_uri
 
 DIFFERS, REFUSED, FAILED = 1, 2, 3  # exit codes; 0 is bit for bit; stopped: 128 + the signal
-REPRODUCES_ENV = record.REPRODUCES_ENV
 BIT_FOR_BIT = "reproduced bit for bit"
 # What the record says about where and from what a run was made: each one that differs between the
 # run and its reproduction is named in the verdict.
@@ -53,7 +52,7 @@ class Stopped(BaseException):
 
     def __init__(self, signum: int, during: str | None = None):
         super().__init__(signal.Signals(signum).name)
-        self.signum, self.code, self.during = signum, 128 + signum, during
+        self.code, self.during = 128 + signum, during
 
 
 _child: subprocess.Popen | None = None  # the stage the reproduction is running
@@ -360,7 +359,7 @@ def child_env(uri: str, checkout: Path, recorded: Recorded) -> dict[str, str]:
     nothing of DVC's (this is no stage of it)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("DVC_")}
     env.update(MLFLOW_TRACKING_URI=uri, PYTHONPATH=str(checkout), **visible_devices(recorded),
-               **{REPRODUCES_ENV: recorded.run_id})
+               **{record.REPRODUCES_ENV: recorded.run_id})
     if recorded.tags.get("device_type") == "cpu" and recorded.tags.get("cpu_threads"):
         env["OMP_NUM_THREADS"] = recorded.tags["cpu_threads"]  # the run's split of each op (DDP sets its own)
     return env

@@ -342,6 +342,8 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
     """Everything that can be checked before the disk changes: a training that cannot start must
     leave the last one's checkpoint, logs and runs as they were (pick_up changes them)."""
     check_output_folders(mode)
+    # A file saved since this command's imports: refused before pick_up clears the last training's files.
+    record.check_code_as_imported()
     if config.tracking.enabled:
         preflight(config.tracking)  # store, schema, host, account, experiment name
     if slurm.launcher(config) == "slurm":  # every mode trains in a job, on a node like DDP's
@@ -408,10 +410,11 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
         resume = pick_up(config, mode, Path(data_dir), asked=resume)
         if mode == "ddp" or slurm.launcher(config) == "slurm":
             launch(config, mode, params_path, data_dir, resume)
+            # Rank 0 checked before its runs ended, maybe on another node's disk: this one's, once more.
+            inputs_unchanged(mode, Path(data_dir))
         else:
-            run_worker(config, params_text, mode, Path(data_dir), resume)
+            run_worker(config, params_text, mode, Path(data_dir), resume)  # which checked before its runs ended
         params_unchanged(Path(params_path), params_text, config)  # else DVC would record what did not train
-        inputs_unchanged(mode, Path(data_dir))
         (model_dir(mode) / UNFINISHED_FILE).unlink()  # only now: every output is in place, every run ended
 
 
@@ -440,7 +443,7 @@ def inputs_unchanged(mode: str, data_dir: Path, required: bool = True) -> None:
     snapshot): DVC hashes a stage's dependencies after it runs, so a file saved meanwhile would go
     into dvc.lock beside a model it never trained. The stage fails instead, and DVC records nothing.
     Rank 0 checks it before its runs end (`required`: False, and only against its own launcher's
-    snapshot, not one an outer launcher left); the launcher again once every worker is done."""
+    snapshot, not one an outer launcher left); a launcher of other processes again once they are done."""
     record = unfinished(model_dir(mode)) or {}
     if not required and (record.get("snapshot") is None or record.get("snapshot") != os.environ.get(forkserver.SNAPSHOT_ENV)):
         return
