@@ -11,11 +11,12 @@ command after `--`.
 
 A slow day, made on purpose: `--load N` runs N processes beside everything timed, the unit
 included, each copying 64 MiB from one buffer to another without end, at the suite's priority, so
-that they take both CPU time and memory bandwidth. On 2 cores `--load 2` slowed the unit from
-about 1.7 s to 3.3 to 3.8 s, as a slow day did (#52: 3.8 to 4.6 s).
+that they take both CPU time and memory bandwidth. A fraction is one more process, busy that part
+of every 100 ms. #52's slow day had a unit of 3.8 to 4.6 s (1.5 to 1.7 s on a fast one): on this
+machine's 2 cores `--load 2` made 2.8 to 3.8 s, `--load 3` 4.0 to 5.4 s (docs/testing.md).
 
-    .venv/bin/python benchmarks/suite_time.py              # both tiers, in a clean clone of HEAD
-    .venv/bin/python benchmarks/suite_time.py --ci --load 2  # CI as it runs, on a made slow day
+    .venv/bin/python benchmarks/suite_time.py                  # both tiers, in a clean clone of HEAD
+    .venv/bin/python benchmarks/suite_time.py --ci --load 2.5  # CI as it runs, on a made slow day
     .venv/bin/python benchmarks/suite_time.py -- pytest -q tests/test_config.py
 """
 
@@ -38,17 +39,29 @@ from pipeline_overhead import torch_unit  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SUMMARY = re.compile(r"^=* ?(\d+ (?:passed|failed)[^\n]*?) in ([\d.]+)s", re.M)
-# One process of the made slow day: CPU time and memory bandwidth, no end of its own.
-LOAD = "a = bytearray(64 << 20)\nb = bytearray(64 << 20)\nwhile True:\n    b[:] = a\n"
+# One process of the made slow day: CPU time and memory bandwidth, no end of its own; busy a
+# fraction ({share}) of every 100 ms (1: always).
+LOAD = """import time
+a = bytearray(64 << 20)
+b = bytearray(64 << 20)
+while True:
+    period = time.monotonic()
+    while time.monotonic() - period < {share} * 0.1:
+        b[:] = a
+    time.sleep(max(0.0, period + 0.1 - time.monotonic()))
+"""
 
 
 @contextlib.contextmanager
-def load(processes: int):
-    """`processes` copies of LOAD running for the block, ended with it however it ends."""
+def load(processes: float):
+    """LOAD running for the block, in `processes` processes (a fraction: one busy that share of
+    the time), ended with it however it ends."""
+    whole, part = divmod(processes, 1)
+    shares = [1.0] * int(whole) + ([part] if part else [])
     started = []
     try:
-        for _ in range(processes):
-            started.append(subprocess.Popen([sys.executable, "-c", LOAD]))
+        for share in shares:
+            started.append(subprocess.Popen([sys.executable, "-c", LOAD.format(share=share)]))
         yield
     finally:
         for proc in started:
@@ -59,8 +72,9 @@ def load(processes: int):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ci", action="store_true", help="time `bash .ci/run` in a clean clone, set-up included")
-    parser.add_argument("--load", type=int, default=0, metavar="N",
-                        help="N memory-bound busy processes beside the run, the unit included (a slow day)")
+    parser.add_argument("--load", type=float, default=0, metavar="N",
+                        help="N memory-bound busy processes beside the run, the unit included (a slow day); "
+                             "a fraction is one busy that share of the time")
     parser.add_argument("command", nargs="*", help="the suite to time (default: make test-fast, then make test, "
                                                    "in a clean clone)")
     args = parser.parse_args()
@@ -104,7 +118,7 @@ def main() -> int:
               f"{parts or f'exit code {done.returncode}'}")
     print(f"unit: a bare `import torch`, median of 6 (3 before, 3 after): {unit:.2f} s "
           f"(before {statistics.median(before):.2f} s, after {statistics.median(after):.2f} s)"
-          + (f"; beside {args.load} busy process(es) (--load)" if args.load else ""))
+          + (f"; beside {args.load:g} busy process(es) (--load)" if args.load else ""))
     return max(done.returncode for _, _, done in runs)
 
 
