@@ -20,12 +20,16 @@ MODEL_FILE = "model.pt"
 # The settings that shape the trajectory: resuming under other values would not end where an
 # uninterrupted run ends, so it is refused. (nproc may change: DDP sees the same global batches.
 # bf16 changes every step's rounding; deterministic decides whether the bits repeat at all.)
-TRAJECTORY_KEYS = ("model", "epochs", "batch_size", "lr", "weight_decay", "label_smoothing", "seed", "bf16",
-                   "deterministic")
+TRAJECTORY_KEYS = ("model", "epochs", "batch_size", "optimizer", "schedule", "lr", "momentum", "weight_decay",
+                   "max_grad_norm", "label_smoothing", "seed", "bf16", "deterministic")
+# What a checkpoint saved before the optimizer, the schedule and clipping were settings trained with.
+TRAJECTORY_BEFORE = {"optimizer": "adam", "schedule": "onecycle", "momentum": None, "max_grad_norm": 0.0}
 
 
 def trajectory(config: TrainConfig, mode: str) -> dict[str, Any]:
     settings = asdict(config)
+    if config.optimizer != "sgd":
+        settings["momentum"] = None  # SGD's alone: a change under Adam changes nothing trained
     return {"mode": mode, **{key: settings[key] for key in TRAJECTORY_KEYS}}
 
 
@@ -69,8 +73,11 @@ def load_checkpoint(path: Path, expected: dict[str, Any]) -> dict[str, Any]:
 
 def settings_changed(state: dict[str, Any], expected: dict[str, Any]) -> str:
     """'key: saved -> now, ...' for each trajectory setting that differs; '' if none."""
-    saved = state.get("trajectory", {})
-    return ", ".join(f"{k}: {saved.get(k)!r} -> {expected[k]!r}" for k in sorted(expected) if saved.get(k) != expected[k])
+    saved = {**TRAJECTORY_BEFORE, **state.get("trajectory", {})}
+    # A key this code does not know (a later version's setting) differs too: its training may not
+    # be one this code can continue.
+    return ", ".join(f"{k}: {saved.get(k)!r} -> {expected.get(k)!r}" for k in sorted(expected.keys() | saved.keys())
+                     if saved.get(k) != expected.get(k))
 
 
 def resume_state(path: Path, expected: dict[str, Any], asked: bool, restarted: bool, rank: Rank) -> dict[str, Any] | None:

@@ -22,6 +22,8 @@ MODES = ("single", "dp", "ddp")
 MODELS = ("small", "classic")
 LAUNCHERS = ("local", "slurm")
 DEVICES = ("auto", "cuda", "cpu")
+OPTIMIZERS = ("adam", "adamw", "sgd")  # built by pipeline.optim
+SCHEDULES = ("onecycle", "cosine", "constant")
 MNIST_TRAIN_SIZE = 60_000
 
 
@@ -69,8 +71,15 @@ class TrainConfig:
     epochs: int = field(default=1, metadata=_at_least(1))
     # The global batch: the same in every mode; DDP splits it across ranks.
     batch_size: int = field(default=128, metadata=_at_least(1))
+    # The optimizer and its learning-rate schedule (pipeline.optim): lr is the schedule's peak
+    # (onecycle) or its start (cosine, constant); momentum is SGD's (Adam and AdamW have betas).
+    optimizer: str = field(default="adam", metadata=_rule(lambda v: v in OPTIMIZERS, f"one of {OPTIMIZERS}"))
+    schedule: str = field(default="onecycle", metadata=_rule(lambda v: v in SCHEDULES, f"one of {SCHEDULES}"))
     lr: float = field(default=0.02, metadata=_positive())
+    momentum: float = field(default=0.9, metadata=_rule(lambda v: 0 <= v < 1, "from 0 up to, not including, 1"))
     weight_decay: float = field(default=0.0, metadata=_at_least(0))
+    # Clips the gradient to this global (L2) norm before each step; 0: never.
+    max_grad_norm: float = field(default=0.0, metadata=_at_least(0))
     # Cross-entropy against targets that give this much weight to the other classes: a per-sample
     # change to the loss, so the modes still see the same function of the same batches.
     label_smoothing: float = field(default=0.1, metadata=_rule(lambda v: 0 <= v < 1, "from 0 up to, not including, 1"))

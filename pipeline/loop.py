@@ -38,6 +38,7 @@ from pipeline.checkpoint import CHECKPOINT_FILE, trajectory
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.model import build_model
+from pipeline.optim import build_optimizer, build_schedule
 from pipeline.parallel import (
     Rank,
     all_gather_objects,
@@ -152,9 +153,19 @@ def build(config: TrainConfig, steps: int, device: torch.device):
     model = build_model(config.model).to(device)
     if device.type == "cuda" and config.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config.lr, total_steps=steps)
+    optimizer = build_optimizer(model.parameters(), config)
+    scheduler = build_schedule(optimizer, config, steps)
     return model, optimizer, scheduler
+
+
+def check_schedule_length(scheduler, planned: int, path: Path) -> None:
+    """A resumed schedule keeps the length it was saved with: one planned over another number of
+    steps (the training set changed size since) would climb back up past its end (cosine) or
+    stop the training (one-cycle), so it is refused here, in words."""
+    saved = getattr(scheduler, "total_steps", getattr(scheduler, "T_max", planned))
+    if saved != planned:
+        raise PipelineError(f"{path}: cannot resume, its schedule spans {saved} steps and this training "
+                            f"{planned} (the training set changed size?); train from scratch without --resume")
 
 
 def wrap_for_mode(model: nn.Module, config: TrainConfig, device: torch.device, mode: str) -> nn.Module:
@@ -191,14 +202,19 @@ def share_loss(logits: torch.Tensor, labels: torch.Tensor, batch_len: int, world
 
 
 def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, global_batch: int,
-              rank: Rank, probe: Probe, show_bar: bool, desc: str, label_smoothing: float):
+              rank: Rank, probe: Probe, show_bar: bool, desc: str, label_smoothing: float, max_grad_norm: float = 0.0):
     """One pass over this rank's shares of the epoch's global batches; returns (loss sum, correct
-    count, each step's loss summed over this rank's share) still on the device, as a .item() per
-    step would sync every step, and each step's share length (0: this rank had no sample that step)."""
+    count, each step's loss summed over this rank's share, the steps whose gradient was clipped)
+    still on the device, as a .item() per step would sync every step, and each step's share length
+    (0: this rank had no sample that step).
+
+    `max_grad_norm` > 0 clips the gradient to that global norm before each step. DDP's ranks hold
+    the same all-reduced gradient by then, so each clips it alike, as one device would."""
     device = data.labels.device
     batches = global_batches(order, global_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
+    clipped = torch.zeros((), dtype=torch.int64, device=device)
     losses = torch.empty(len(batches), dtype=torch.float32, device=device)
     shares = []
     wrapped.train()
@@ -213,6 +229,8 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
         probe.phase("backward")
         loss.backward()
         probe.phase("optimizer")
+        if max_grad_norm:
+            clipped += torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm) > max_grad_norm
         optimizer.step()
         scheduler.step()
         probe.end_step()
@@ -222,7 +240,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
         shares.append(len(idx))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the epoch's time must include its queued kernels
-    return loss_sum, correct, losses, shares
+    return loss_sum, correct, losses, clipped, shares
 
 
 LOSS_WINDOWS_PER_EPOCH = 20
@@ -266,6 +284,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        check_schedule_length(scheduler, config.epochs * steps, run.out_dir / CHECKPOINT_FILE)
         start_epoch, history = state["epoch"], state["history"]
     wrapped = wrap_for_mode(model, config, device, run.mode)
     # The step's phases (on every step on the CPU); its communication, and a trace, on a window of
@@ -294,10 +313,10 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         started = time.perf_counter()
         first_step = epoch * steps + 1
         probe.start_epoch(steps, measure=epoch == config.epochs - 1)
-        loss_sum, correct, losses, shares = run_epoch(
+        loss_sum, correct, losses, clipped, shares = run_epoch(
             wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
             probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
-            label_smoothing=config.label_smoothing)
+            label_smoothing=config.label_smoothing, max_grad_norm=config.max_grad_norm)
         train_wall = time.perf_counter() - started
         host_record = host.finish()
 
@@ -348,8 +367,10 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             "steady_steps": max(0, probe.steady_end - config.throughput_warmup_steps),
             # Cores other processes kept busy on the busiest host meanwhile (pipeline.hostload).
             "host_load": hostload.others(list(hosts), max(walls)),
-            # The one-cycle schedule's rate at the epoch's end (its peak is train.lr).
+            # The schedule's rate at the epoch's end (train.schedule; the one-cycle's peak is train.lr).
             "lr_at_epoch_end": scheduler.get_last_lr()[0],
+            # Steps whose gradient was clipped (train.max_grad_norm), the same on every rank.
+            "clipped_steps": clipped.item(),
             "loss_windows": loss_windows(step_sums, [len(b) for b in global_batches(order, config.batch_size)],
                                          first_step),
             "rank_weight_checksums": list(checksums),
