@@ -87,7 +87,8 @@ def loop_alone(project: Path) -> None:
     for epoch in range(config.epochs):
         probe = Probe(device)
         loop.run_epoch(wrapped, optimizer, scheduler, train, loop.epoch_order(len(train), epoch, config.seed),
-                       config.batch_size, rank, probe=probe, show_bar=False, desc="", label_smoothing=config.label_smoothing)
+                       config.batch_size, rank, probe=probe, show_bar=False, desc="", label_smoothing=config.label_smoothing,
+                       max_grad_norm=config.max_grad_norm)
         probe.clock.totals()
 
 

@@ -71,6 +71,18 @@ def load_checkpoint(path: Path, expected: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def check_schedule_length(state: dict[str, Any], planned: int, path: Path) -> None:
+    """A resumed schedule keeps the length it was saved with (its state holds it): one saved for
+    another number of steps, the training set having changed size since, would climb back up
+    past its end (cosine) or stop the training (one-cycle), so it is refused, in words."""
+    schedule = state.get("scheduler") or {}
+    saved = schedule.get("total_steps", schedule.get("T_max"))  # one-cycle's, cosine's; constant has none
+    if saved is not None and saved != planned:
+        raise PipelineError(f"{path}: cannot resume, its schedule spans {saved} steps and this training {planned} "
+                            "(the training set changed size?): restore the data settings, or delete the "
+                            "checkpoint and train afresh")
+
+
 def settings_changed(state: dict[str, Any], expected: dict[str, Any]) -> str:
     """'key: saved -> now, ...' for each trajectory setting that differs; '' if none."""
     saved = {**TRAJECTORY_BEFORE, **state.get("trajectory", {})}

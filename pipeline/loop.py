@@ -34,7 +34,7 @@ from tqdm import tqdm
 from pipeline.atomic import save_torch
 from pipeline.breakdown import Probe, timeline
 from pipeline import hostload
-from pipeline.checkpoint import CHECKPOINT_FILE, trajectory
+from pipeline.checkpoint import CHECKPOINT_FILE, check_schedule_length, trajectory
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.model import build_model
@@ -158,16 +158,6 @@ def build(config: TrainConfig, steps: int, device: torch.device):
     return model, optimizer, scheduler
 
 
-def check_schedule_length(scheduler, planned: int, path: Path) -> None:
-    """A resumed schedule keeps the length it was saved with: one planned over another number of
-    steps (the training set changed size since) would climb back up past its end (cosine) or
-    stop the training (one-cycle), so it is refused here, in words."""
-    saved = getattr(scheduler, "total_steps", getattr(scheduler, "T_max", planned))
-    if saved != planned:
-        raise PipelineError(f"{path}: cannot resume, its schedule spans {saved} steps and this training "
-                            f"{planned} (the training set changed size?); train from scratch without --resume")
-
-
 def wrap_for_mode(model: nn.Module, config: TrainConfig, device: torch.device, mode: str) -> nn.Module:
     # Autocast inside the module that DataParallel replicates (see pipeline.precision).
     return wrap(with_autocast(model, device, autocast_dtype(device, config.bf16)), mode, device)
@@ -229,8 +219,8 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
         probe.phase("backward")
         loss.backward()
         probe.phase("optimizer")
-        if max_grad_norm:
-            clipped += torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm) > max_grad_norm
+        if max_grad_norm:  # torch scales the gradient where norm + 1e-6 > max_grad_norm: counted alike
+            clipped += torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm) + 1e-6 > max_grad_norm
         optimizer.step()
         scheduler.step()
         probe.end_step()
@@ -281,10 +271,12 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
     start_epoch, history = 0, []
     if run.resume_state is not None:  # the same state on every rank: rank 0 read and sent it
         state = run.resume_state
+        # The stage refused this before changing anything (train's pick_up); a worker's own disk may
+        # still hold a checkpoint of another length.
+        check_schedule_length(state, config.epochs * steps, run.out_dir / CHECKPOINT_FILE)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
-        check_schedule_length(scheduler, config.epochs * steps, run.out_dir / CHECKPOINT_FILE)
         start_epoch, history = state["epoch"], state["history"]
     wrapped = wrap_for_mode(model, config, device, run.mode)
     # The step's phases (on every step on the CPU); its communication, and a trace, on a window of

@@ -285,7 +285,11 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
                                 "without --resume")
     kept = outbox.unsent(out / OUTBOX_DIR)
     if asked and (out / CHECKPOINT_FILE).is_file():  # ours, and of these settings: said before anything changes
-        checkpoint.load_checkpoint(out / CHECKPOINT_FILE, trajectory(config.train, mode))
+        state = checkpoint.load_checkpoint(out / CHECKPOINT_FILE, trajectory(config.train, mode))
+        train_count = load_stats(data_dir).get("splits", {}).get("train", {}).get("count")
+        if train_count:  # check_prepared has refused a stats.json without it
+            checkpoint.check_schedule_length(state, config.train.epochs * steps_per_epoch(
+                train_count, config.train.batch_size), out / CHECKPOINT_FILE)
     go_on = asked  # --resume: continue whatever is there (the workers check it again, on every node's disk)
     missing = missing_runs(config.tracking, read_run_ids(mode)) if (record is not None or asked or kept) else []
     if record is None and kept and not asked and not missing:  # a fresh start would drop what can still be sent

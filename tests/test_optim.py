@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+import yaml
 
 from pipeline.checkpoint import CHECKPOINT_FILE, read_checkpoint, settings_changed, trajectory
 from pipeline.config import OPTIMIZERS, SCHEDULES, TrainConfig
@@ -106,11 +107,14 @@ def test_each_optimizer_is_the_one_named_with_its_settings():
 @pytest.mark.fast
 def test_a_checkpoint_from_before_the_settings_resumes_as_adam_and_one_cycle():
     config = TrainConfig()
-    old = {k: v for k, v in trajectory(config, "single").items() if k not in ("optimizer", "schedule", "momentum")}
+    old = {k: v for k, v in trajectory(config, "single").items()
+           if k not in ("optimizer", "schedule", "momentum", "max_grad_norm")}
     assert settings_changed({"trajectory": old}, trajectory(config, "single")) == ""
     sgd = dataclasses.replace(config, optimizer="sgd")
     assert settings_changed({"trajectory": old}, trajectory(sgd, "single")) == \
         "momentum: None -> 0.9, optimizer: 'adam' -> 'sgd'"
+    clipping = dataclasses.replace(config, max_grad_norm=1.0)
+    assert settings_changed({"trajectory": old}, trajectory(clipping, "single")) == "max_grad_norm: 0.0 -> 1.0"
     cosine = dataclasses.replace(config, schedule="cosine")
     assert settings_changed({"trajectory": old}, trajectory(cosine, "single")) == "schedule: 'onecycle' -> 'cosine'"
     # Momentum is SGD's alone: changing it under Adam changes nothing that trained.
@@ -121,16 +125,46 @@ def test_a_checkpoint_from_before_the_settings_resumes_as_adam_and_one_cycle():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("schedule", ["onecycle", "cosine"])
+@pytest.mark.parametrize("schedule", ["onecycle", "cosine", "constant"])
 def test_a_schedule_saved_for_another_length_is_refused_on_resume(tmp_path, schedule):
     config = TrainConfig(schedule=schedule)
     _, _, saved = build(config, 20, torch.device("cpu"))
-    _, _, resumed = build(config, 30, torch.device("cpu"))  # the training set grew since
-    resumed.load_state_dict(saved.state_dict())
+    state = {"scheduler": saved.state_dict()}
+    check_schedule_length(state, 20, tmp_path / CHECKPOINT_FILE)
+    if schedule == "constant":  # no end to outrun
+        check_schedule_length(state, 30, tmp_path / CHECKPOINT_FILE)
+        return
     with pytest.raises(PipelineError, match=r"its schedule spans 20 steps and this training 30 \(the training set "
-                                            r"changed size\?\); train from scratch without --resume"):
-        check_schedule_length(resumed, 30, tmp_path / CHECKPOINT_FILE)
-    check_schedule_length(saved, 20, tmp_path / CHECKPOINT_FILE)
+                                            r"changed size\?\): restore the data settings, or delete"):
+        check_schedule_length(state, 30, tmp_path / CHECKPOINT_FILE)  # the training set grew since
+
+
+def test_resume_refuses_a_schedule_of_another_length_before_changing_anything(tmp_path, monkeypatch, mnist_dir):
+    """`train --resume` after data.train_limit changed: refused by the stage in one line, before it
+    writes the unfinished-training record or touches the runs (#53 review)."""
+    from pipeline.config import load_config
+    from stages.train import pick_up
+    from tests.conftest import ROOT, SMALL, prepare
+
+    project = tmp_path / "proj"
+    project.mkdir()
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for section, values in SMALL.items():
+        params[section].update(values)
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    prepare(project, mnist_dir)
+    config = load_config(project / "params.yaml")
+    out = project / "models" / "single"
+    out.mkdir(parents=True)
+    _, optimizer, scheduler = build(config.train, 7, torch.device("cpu"))  # trained on another slice
+    model = build_model(config.train.model)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "epoch": 1, "history": [], "trajectory": trajectory(config.train, "single"), "extra": {}},
+               out / CHECKPOINT_FILE)
+    monkeypatch.chdir(project)
+    with pytest.raises(PipelineError, match=r"its schedule spans 7 steps and this training 20 "):
+        pick_up(config, "single", project / "data" / "prepared", asked=True)
+    assert sorted(path.name for path in out.iterdir()) == [CHECKPOINT_FILE]
 
 
 class Interrupted(Exception):
