@@ -13,7 +13,8 @@ A slow day, made on purpose: `--load N` runs N processes beside everything timed
 included, each copying 64 MiB from one buffer to another without end, at the suite's priority, so
 that they take both CPU time and memory bandwidth. A fraction is one more process, busy that part
 of every 100 ms. #52's slow day had a unit of 3.8 to 4.6 s (1.5 to 1.7 s on a fast one): on this
-machine's 2 cores `--load 2` made 2.8 to 3.8 s, `--load 3` 4.0 to 5.4 s (docs/testing.md).
+machine's 2 cores `--load 2` made 2.8 to 3.8 s, `--load 2.5` 3.2 to 5.2 s, `--load 3` 4.1 to 5.4 s
+(docs/testing.md): the machine's own noise is as large as a half process's.
 
     .venv/bin/python benchmarks/suite_time.py                  # both tiers, in a clean clone of HEAD
     .venv/bin/python benchmarks/suite_time.py --ci --load 2.5  # CI as it runs, on a made slow day

@@ -363,7 +363,9 @@ def mlflow_server(tmp_path_factory):
 
 def ddp_worker_pids(launcher: int) -> dict[int, int]:
     """rank -> pid of the launcher's training workers: the processes under it (torchrun's agent
-    forks them from the fork server, pipeline.runtime.forkserver) that hold a rank's log open."""
+    forks them from the fork server, pipeline.runtime.forkserver) that hold a rank's log open. A
+    worker's own fork holds it too while it lives (a subprocess between its fork and its exec):
+    of a rank's holders, the worker is the one whose parent holds no rank's log."""
     parents = {}
     for proc in Path("/proc").iterdir():
         try:
@@ -387,8 +389,8 @@ def ddp_worker_pids(launcher: int) -> dict[int, int]:
             except OSError:
                 continue
             if (log := re.search(r"/logs/rank-(\d+)\.log$", target)):
-                found[int(log[1])] = pid
-    return found
+                found[pid] = int(log[1])
+    return {rank: pid for pid, rank in found.items() if parents.get(pid) not in found}
 
 
 def first_epoch_run(project: Path, mode: str, proc: subprocess.Popen, timeout: float = 180):
