@@ -12,7 +12,7 @@ install: $(STAMP)
 
 # Exactly the locked environment, every package checked against its hash: a new lock gets a new
 # venv, so nothing a previous lock installed stays behind. pip compiles every module's bytecode
-# (50 s of the 2 min): where PYTHONDONTWRITEBYTECODE is set, as on this project's machines, Python
+# (docs/testing.md): where PYTHONDONTWRITEBYTECODE is set, as on this project's machines, Python
 # never writes it, and each process would compile torch and MLflow anew on every import.
 $(VENV)/.locked: requirements-dev.lock
 	rm -rf $(VENV)
