@@ -88,7 +88,7 @@ def loop_alone(project: Path) -> None:
         probe = Probe(device)
         loop.run_epoch(wrapped, optimizer, scheduler, train, loop.epoch_order(len(train), epoch, config.seed),
                        config.batch_size, rank, probe=probe, show_bar=False, desc="", label_smoothing=config.label_smoothing,
-                       max_grad_norm=config.max_grad_norm)
+                       max_grad_norm=config.max_grad_norm, grad_accum_steps=config.grad_accum_steps)
         probe.clock.totals()
 
 

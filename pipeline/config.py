@@ -80,6 +80,10 @@ class TrainConfig:
     weight_decay: float = field(default=0.0, metadata=_at_least(0))
     # Clips the gradient to this global (L2) norm before each step; 0: never.
     max_grad_norm: float = field(default=0.0, metadata=_at_least(0))
+    # Gradient accumulation: each rank's share of the global batch in this many micro-batches, one
+    # forward and backward each, then one optimizer step (the same global batch, less activation
+    # memory; DDP all-reduces once, after the last).
+    grad_accum_steps: int = field(default=1, metadata=_at_least(1))
     # Cross-entropy against targets that give this much weight to the other classes: a per-sample
     # change to the loss, so the modes still see the same function of the same batches.
     label_smoothing: float = field(default=0.1, metadata=_rule(lambda v: 0 <= v < 1, "from 0 up to, not including, 1"))
@@ -119,6 +123,12 @@ class TrainConfig:
     breakdown_repeats: int = field(default=10, metadata=_at_least(1))
     # Then this many steps under torch.profiler, whose trace goes to each rank's MLflow run.
     trace_steps: int = field(default=2, metadata=_at_least(0))
+
+    def __post_init__(self) -> None:
+        if self.grad_accum_steps > self.batch_size:  # DDP's ranks' shares: parallel.check_world_size
+            raise ConfigError(f"train.grad_accum_steps = {self.grad_accum_steps} is more than train.batch_size = "
+                              f"{self.batch_size}, so some micro-batches would hold no sample; allowed: "
+                              "train.grad_accum_steps <= train.batch_size")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import os
 import resource
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -191,12 +192,29 @@ def share_loss(logits: torch.Tensor, labels: torch.Tensor, batch_len: int, world
     return sample_losses / (batch_len / world_size), sample_losses.detach()
 
 
+def micro_batches(share: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """A rank's share of a global batch in `count` parts for gradient accumulation, their lengths
+    within one of each other, the longer first. Parts left empty by a share shorter than `count` (the
+    epoch's short last batch) are dropped, but the last part stays, empty or not: DDP all-reduces in
+    its backward, and every rank must take part in that."""
+    parts = share.tensor_split(count)
+    return [part for part in parts[:-1] if len(part)] + [parts[-1]]
+
+
 def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, global_batch: int,
-              rank: Rank, probe: Probe, show_bar: bool, desc: str, label_smoothing: float, max_grad_norm: float = 0.0):
+              rank: Rank, probe: Probe, show_bar: bool, desc: str, label_smoothing: float, max_grad_norm: float = 0.0,
+              grad_accum_steps: int = 1):
     """One pass over this rank's shares of the epoch's global batches; returns (loss sum, correct
     count, each step's loss summed over this rank's share, the steps whose gradient was clipped)
     still on the device, as a .item() per step would sync every step, and each step's share length
     (0: this rank had no sample that step).
+
+    `grad_accum_steps` > 1 runs each share as that many micro-batches, forward and backward in turn,
+    their gradients summed in place before one optimizer step. Each micro-batch's loss is divided by
+    the same L/W as the whole share's (share_loss), so the sum is the gradient of the global batch's
+    mean loss, as without accumulation, to rounding. DDP all-reduces only in the last micro-batch's
+    backward (`no_sync` before it). The step's "forward" phase then holds the earlier micro-batches'
+    forward and backward, its "backward" the last one's, where DDP's communication overlaps.
 
     `max_grad_norm` > 0 clips the gradient to that global norm before each step. DDP's ranks hold
     the same all-reduced gradient by then, so each clips it alike, as one device would."""
@@ -207,26 +225,35 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
     clipped = torch.zeros((), dtype=torch.int64, device=device)
     losses = torch.empty(len(batches), dtype=torch.float32, device=device)
     shares = []
+    # Only DDP communicates in the backward; DataParallel and one device have nothing to hold back.
+    hold_back = wrapped.no_sync if isinstance(wrapped, nn.parallel.DistributedDataParallel) else nullcontext
     wrapped.train()
     for i, batch in enumerate(tqdm(batches, desc=desc, disable=not show_bar, leave=False)):
         probe.start_step(i)
         idx = rank_share(batch, rank)
-        images, labels = data.images[idx], data.labels[idx]
+        parts = [(data.images[part], data.labels[part]) for part in micro_batches(idx, grad_accum_steps)]
         probe.phase("forward")
-        logits = wrapped(images)  # in the configured precision: the model enters autocast itself
-        loss, sample_losses = share_loss(logits, labels, len(batch), rank.world_size, label_smoothing)
-        optimizer.zero_grad(set_to_none=True)
-        probe.phase("backward")
-        loss.backward()
+        step_losses = None  # the share's summed loss
+        for j, (images, labels) in enumerate(parts):
+            last = j == len(parts) - 1
+            with nullcontext() if last else hold_back():
+                logits = wrapped(images)  # in the configured precision: the model enters autocast itself
+                loss, sample_losses = share_loss(logits, labels, len(batch), rank.world_size, label_smoothing)
+                if j == 0:
+                    optimizer.zero_grad(set_to_none=True)
+                if last:
+                    probe.phase("backward")
+                loss.backward()
+            step_losses = sample_losses if step_losses is None else step_losses + sample_losses
+            correct += (logits.detach().argmax(1) == labels).sum()
         probe.phase("optimizer")
         if max_grad_norm:  # torch scales the gradient where norm + 1e-6 > max_grad_norm: counted alike
             clipped += torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm) + 1e-6 > max_grad_norm
         optimizer.step()
         scheduler.step()
         probe.end_step()
-        loss_sum += sample_losses
-        losses[i] = sample_losses
-        correct += (logits.detach().argmax(1) == labels).sum()
+        loss_sum += step_losses
+        losses[i] = step_losses
         shares.append(len(idx))
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the epoch's time must include its queued kernels
@@ -263,7 +290,7 @@ def check_finite(mode: str, epoch: int, loss_sum: torch.Tensor, losses: list[flo
 def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tuple[nn.Module, list[dict]]:
     """Train, checkpoint every epoch; return the trained (unwrapped) model and per-epoch metrics."""
     config, rank, device = run.config, run.rank, run.device
-    check_world_size(config.batch_size, rank.world_size)
+    check_world_size(config.batch_size, rank.world_size, config.grad_accum_steps)
     steps = steps_per_epoch(len(train_split), config.batch_size)
     model, optimizer, scheduler = build(config, config.epochs * steps, device)
     checkpoint_path = run.out_dir / CHECKPOINT_FILE
@@ -308,7 +335,8 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         loss_sum, correct, losses, clipped, shares = run_epoch(
             wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
             probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
-            label_smoothing=config.label_smoothing, max_grad_norm=config.max_grad_norm)
+            label_smoothing=config.label_smoothing, max_grad_norm=config.max_grad_norm,
+            grad_accum_steps=config.grad_accum_steps)
         train_wall = time.perf_counter() - started
         host_record = host.finish()
 

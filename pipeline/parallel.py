@@ -144,13 +144,22 @@ def default_nproc(wanted: str = "auto") -> int:
     return (0 if wanted == "cpu" else gpus.cuda_device_count()) or CPU_ONLY_DEFAULT_NPROC
 
 
-def check_world_size(global_batch: int, world_size: int) -> None:
-    """Every rank needs a sample of every full batch; any world size up to the batch has one."""
+def check_world_size(global_batch: int, world_size: int, grad_accum_steps: int = 1) -> None:
+    """Every rank needs a sample of every full batch, and with gradient accumulation one in each of
+    its micro-batches: a share of at least train.grad_accum_steps samples."""
     if world_size > global_batch:
         raise ConfigError(
             f"train.batch_size = {global_batch} is smaller than the {world_size} DDP ranks, so some ranks would "
             f"train on nothing: raise train.batch_size to at least {world_size}, or start at most "
             f"{global_batch} workers (train.nproc, train.nodes)")
+    share = global_batch // world_size
+    if grad_accum_steps > share:
+        where = f"each of {world_size} ranks' shares of" if world_size > 1 else "the"
+        raise ConfigError(
+            f"train.grad_accum_steps = {grad_accum_steps} micro-batches cannot all hold a sample of {where} "
+            f"train.batch_size = {global_batch} ({share} samples{' or more' if global_batch % world_size else ''}): "
+            f"lower train.grad_accum_steps to at most {share}, or raise train.batch_size to at least "
+            f"{grad_accum_steps * world_size}")
 
 
 # Docker's default /dev/shm. NCCL keeps buffers there for the GPUs of one host that talk through
@@ -191,7 +200,7 @@ def check_every_mode(train, mode: str | None = None) -> None:
     if "ddp" in train.modes or mode == "ddp":
         workers, nodes = ddp_layout(train)
         try:
-            check_world_size(train.batch_size, workers * nodes)
+            check_world_size(train.batch_size, workers * nodes, train.grad_accum_steps)
         except ConfigError as exc:
             raise ConfigError(f"ddp{' (in train.modes)' if 'ddp' in train.modes else ''}: {exc}") from None
 
