@@ -95,6 +95,12 @@ def settings_changed(state: dict[str, Any], expected: dict[str, Any]) -> str:
                      if saved.get(k) != expected.get(k))
 
 
+def in_epoch_step(state: dict[str, Any]) -> int:
+    """Steps done in the epoch after the checkpoint's last whole one (0: written at an epoch's end)."""
+    in_epoch = state.get("in_epoch")
+    return in_epoch["ranks"][0]["step"] if in_epoch else 0
+
+
 def resume_state(path: Path, expected: dict[str, Any], asked: bool, restarted: bool, rank: Rank) -> dict[str, Any] | None:
     """The state to continue from, or None to start afresh, the same on every rank.
 
@@ -107,16 +113,16 @@ def resume_state(path: Path, expected: dict[str, Any], asked: bool, restarted: b
     """
     if not (asked or restarted):
         return None
-    epoch, problem = -1, None
+    progress, problem = (-1, 0), None  # (epochs done, steps done in the next): how far a checkpoint is
     if path.is_file():
         try:
             state = load_checkpoint(path, expected)
-            epoch = state["epoch"]
+            progress = (state["epoch"], in_epoch_step(state))
         except PipelineError as exc:
             problem = str(exc)
-    found = all_gather_objects((epoch, rank.rank, problem), rank)
+    found = all_gather_objects((progress, rank.rank, problem), rank)
     newest, source, _ = max(found, key=lambda item: (item[0], -item[1]))
-    if newest >= 0:
+    if newest[0] >= 0:
         return broadcast_object(state if rank.rank == source else None, rank, src=source)
     # Every rank raises the same error, so none waits on the others.
     problems = list(dict.fromkeys(problem for _, _, problem in found if problem))  # once per node

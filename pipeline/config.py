@@ -84,6 +84,9 @@ class TrainConfig:
     # forward and backward each, then one optimizer step (the same global batch, less activation
     # memory; DDP all-reduces once, after the last).
     grad_accum_steps: int = field(default=1, metadata=_at_least(1))
+    # Also checkpoint every this many steps, mid-epoch (0: at each epoch's end only). A resume goes on
+    # from the next step, with the same weights, bit for bit, as an uninterrupted training's.
+    checkpoint_every_steps: int = field(default=0, metadata=_at_least(0))
     # Cross-entropy against targets that give this much weight to the other classes: a per-sample
     # change to the loss, so the modes still see the same function of the same batches.
     label_smoothing: float = field(default=0.1, metadata=_rule(lambda v: 0 <= v < 1, "from 0 up to, not including, 1"))

@@ -43,6 +43,7 @@ from pipeline.optim import build_optimizer, build_schedule
 from pipeline.parallel import (
     Rank,
     all_gather_objects,
+    broadcast_object,
     dp_device_count,
     check_world_size,
     restarted_by_torchrun,
@@ -203,7 +204,7 @@ def micro_batches(share: torch.Tensor, count: int) -> list[torch.Tensor]:
 
 def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, global_batch: int,
               rank: Rank, probe: Probe, show_bar: bool, desc: str, label_smoothing: float, max_grad_norm: float = 0.0,
-              grad_accum_steps: int = 1):
+              grad_accum_steps: int = 1, partial: dict | None = None, after_step: Callable | None = None):
     """One pass over this rank's shares of the epoch's global batches; returns (loss sum, correct
     count, each step's loss summed over this rank's share, the steps whose gradient was clipped)
     still on the device, as a .item() per step would sync every step, and each step's share length
@@ -217,18 +218,30 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
     forward and backward, its "backward" the last one's, where DDP's communication overlaps.
 
     `max_grad_norm` > 0 clips the gradient to that global norm before each step. DDP's ranks hold
-    the same all-reduced gradient by then, so each clips it alike, as one device would."""
+    the same all-reduced gradient by then, so each clips it alike, as one device would.
+
+    `partial`: this rank's part of a mid-epoch checkpoint (its sums over the steps before it), from
+    which the epoch goes on at step `partial["step"]`. `after_step(i, loss_sum, correct, clipped,
+    losses, shares)` runs after each step i (0-based), to checkpoint."""
     device = data.labels.device
     batches = global_batches(order, global_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
     clipped = torch.zeros((), dtype=torch.int64, device=device)
     losses = torch.empty(len(batches), dtype=torch.float32, device=device)
-    shares = []
+    shares, start = [], 0
+    if partial is not None:  # the same sums, to the bit, as the uninterrupted epoch had at this step
+        start = partial["step"]
+        loss_sum.copy_(partial["loss_sum"])
+        correct.copy_(partial["correct"])
+        clipped.copy_(partial["clipped"])
+        losses[:start] = partial["losses"].to(device)
+        shares = list(partial["shares"])
     # Only DDP communicates in the backward; DataParallel and one device have nothing to hold back.
     hold_back = wrapped.no_sync if isinstance(wrapped, nn.parallel.DistributedDataParallel) else nullcontext
     wrapped.train()
-    for i, batch in enumerate(tqdm(batches, desc=desc, disable=not show_bar, leave=False)):
+    for i, batch in enumerate(tqdm(batches[start:], desc=desc, disable=not show_bar, leave=False, initial=start,
+                                   total=len(batches)), start):
         probe.start_step(i)
         idx = rank_share(batch, rank)
         parts = [(data.images[part], data.labels[part]) for part in micro_batches(idx, grad_accum_steps)]
@@ -255,6 +268,8 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
         loss_sum += step_losses
         losses[i] = step_losses
         shares.append(len(idx))
+        if after_step is not None:
+            after_step(i, loss_sum, correct, clipped, losses, shares)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the epoch's time must include its queued kernels
     return loss_sum, correct, losses, clipped, shares
@@ -288,14 +303,15 @@ def check_finite(mode: str, epoch: int, loss_sum: torch.Tensor, losses: list[flo
 
 
 def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tuple[nn.Module, list[dict]]:
-    """Train, checkpoint every epoch; return the trained (unwrapped) model and per-epoch metrics."""
+    """Train, checkpoint every epoch (and every train.checkpoint_every_steps steps); return the
+    trained (unwrapped) model and per-epoch metrics."""
     config, rank, device = run.config, run.rank, run.device
     check_world_size(config.batch_size, rank.world_size, config.grad_accum_steps)
     steps = steps_per_epoch(len(train_split), config.batch_size)
     model, optimizer, scheduler = build(config, config.epochs * steps, device)
     checkpoint_path = run.out_dir / CHECKPOINT_FILE
 
-    start_epoch, history = 0, []
+    start_epoch, history, partial = 0, [], None
     if run.resume_state is not None:  # the same state on every rank: rank 0 read and sent it
         state = run.resume_state
         # The stage refused this before changing anything (train's pick_up); a worker's own disk may
@@ -305,6 +321,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch, history = state["epoch"], state["history"]
+        partial = in_epoch_part(state, rank, run.out_dir / CHECKPOINT_FILE)
     wrapped = wrap_for_mode(model, config, device, run.mode)
     # The step's phases (on every step on the CPU); its communication, and a trace, on a window of
     # the last epoch.
@@ -322,6 +339,12 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
     show_bar = rank.is_main and sys.stderr.isatty()
     for epoch in range(start_epoch, config.epochs):
         seed_dropout(config.seed, epoch, rank.rank, memory_devices if run.mode == "dp" else [])
+        # Devices whose random draws (dropout) a mid-epoch checkpoint keeps, the CPU's beside them.
+        rng_devices = memory_devices if device.type == "cuda" else []
+        resumed, partial = partial, None  # a mid-epoch checkpoint's part: this epoch goes on from it
+        if resumed is not None:
+            set_rng_states(resumed["rng"], rng_devices)
+        carried_s = resumed["wall_s"] if resumed else 0.0  # this rank's time in the epoch before the resume
         order = epoch_order(len(train_split), epoch, config.seed).to(device)
         if device.type == "cuda":
             for index in memory_devices:
@@ -331,13 +354,17 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         host = hostload.Sample(hostload.gpu_uuids(memory_devices) if device.type == "cuda" else None)
         started = time.perf_counter()
         first_step = epoch * steps + 1
-        probe.start_epoch(steps, measure=epoch == config.epochs - 1)
+        # A resumed epoch's steps before the resume ran in another process: its breakdown is not measured.
+        probe.start_epoch(steps, measure=epoch == config.epochs - 1 and resumed is None)
+
         loss_sum, correct, losses, clipped, shares = run_epoch(
             wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
             probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
             label_smoothing=config.label_smoothing, max_grad_norm=config.max_grad_norm,
-            grad_accum_steps=config.grad_accum_steps)
-        train_wall = time.perf_counter() - started
+            grad_accum_steps=config.grad_accum_steps, partial=resumed,
+            after_step=step_checkpoints(run, model, optimizer, scheduler, history, epoch, steps,
+                                        lambda: rng_states(rng_devices), started - carried_s))
+        train_wall = time.perf_counter() - started + carried_s
         host_record = host.finish()
 
         rank_samples = sum(shares)
@@ -356,7 +383,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         losses = losses.tolist()  # one copy per epoch
         check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
         val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size), rank)
-        epoch_time = time.perf_counter() - started
+        epoch_time = time.perf_counter() - started + carried_s
         breakdown = probe.results()  # before the clock's totals, which clear its marks
         if breakdown is not None and probe.trace_file is not None:
             breakdown["timeline"] = timeline(probe.trace_file, rank.rank)
@@ -397,6 +424,8 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         }
         if breakdown is not None:  # every rank's, on every rank
             metrics["breakdown"] = list(breakdowns)
+        if resumed is not None:  # its times add the steps before the resume (each rank's own) to those after
+            metrics["resumed_at_step"] = resumed["step"]
         if run.mode == "dp" and device.type == "cuda":  # DataParallel's memory, GPU by GPU
             metrics.update({f"gpu{i}_peak_memory_mb": torch.cuda.max_memory_allocated(i) / 2**20
                             for i in memory_devices})
@@ -415,19 +444,81 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         history.append(metrics)
         if rank.is_main:
             report_epoch(run.mode, config.epochs, metrics)
-            save_torch(checkpoint_path, {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "epoch": epoch + 1,
-                "history": history,
-                "trajectory": trajectory(config, run.mode),
-                "extra": run.extra_state,
-            })
+            save_torch(checkpoint_path, checkpoint_state(model, optimizer, scheduler, epoch + 1, history, config, run))
         for hook in run.epoch_hooks:
             hook(metrics, rank_metrics)
         crash_if_asked(epoch + 1)
     return model, history
+
+
+def step_checkpoints(run: Training, model: nn.Module, optimizer, scheduler, history: list[dict], epoch: int,
+                     steps: int, rng: Callable[[], dict], started: float) -> Callable | None:
+    """run_epoch's `after_step` under train.checkpoint_every_steps (None when 0): every N global steps
+    but an epoch's last (its own checkpoint follows), every rank's part of the epoch so far goes into
+    the checkpoint rank 0 writes. `started`: when this rank's epoch started, the time before a resume
+    included."""
+    every, rank = run.config.checkpoint_every_steps, run.rank
+    if not every:
+        return None
+
+    def after_step(i: int, *sums) -> None:
+        done = epoch * steps + i + 1
+        if done % every or i + 1 == steps:
+            return
+        parts = all_gather_objects(in_epoch_sums(i + 1, *sums, rng=rng(), wall_s=time.perf_counter() - started), rank)
+        if rank.is_main:
+            save_torch(run.out_dir / CHECKPOINT_FILE,
+                       {**checkpoint_state(model, optimizer, scheduler, epoch, history, run.config, run),
+                        "in_epoch": {"world_size": rank.world_size, "ranks": parts}})
+        broadcast_object(None, rank)  # no rank steps on (or is stopped) before the file is whole
+        crash_if_asked(done, "STEP")
+
+    return after_step
+
+
+def checkpoint_state(model: nn.Module, optimizer, scheduler, epochs_done: int, history: list[dict],
+                     config: TrainConfig, run: Training) -> dict[str, Any]:
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "epoch": epochs_done,
+        "history": history,
+        "trajectory": trajectory(config, run.mode),
+        "extra": run.extra_state,
+    }
+
+
+def in_epoch_sums(step: int, loss_sum: torch.Tensor, correct: torch.Tensor, clipped: torch.Tensor,
+                  losses: torch.Tensor, shares: list[int], rng: dict, wall_s: float) -> dict[str, Any]:
+    """One rank's part of a mid-epoch checkpoint: its sums over the epoch's first `step` steps, its
+    random generators' states and its time so far, on the CPU."""
+    return {"step": step, "loss_sum": loss_sum.cpu(), "correct": correct.cpu(), "clipped": clipped.cpu(),
+            "losses": losses[:step].cpu(), "shares": list(shares), "rng": rng, "wall_s": wall_s}
+
+
+def in_epoch_part(state: dict[str, Any], rank: Rank, path: Path) -> dict[str, Any] | None:
+    """This rank's part of a mid-epoch checkpoint, or None for one written at an epoch's end. Each
+    rank carries its own sums and random state, so the world size must be the one that wrote it."""
+    in_epoch = state.get("in_epoch")
+    if in_epoch is None:
+        return None
+    if in_epoch["world_size"] != rank.world_size:
+        raise PipelineError(
+            f"{path}: written at step {in_epoch['ranks'][0]['step']} of epoch {state['epoch'] + 1} by "
+            f"{in_epoch['world_size']} ranks, and this training has {rank.world_size}: resume it with "
+            f"{in_epoch['world_size']} (train.nproc, train.nodes), or train afresh without --resume")
+    return in_epoch["ranks"][rank.rank]
+
+
+def rng_states(cuda_devices: list[int]) -> dict[str, Any]:
+    return {"cpu": torch.get_rng_state(), "cuda": [torch.cuda.get_rng_state(i) for i in cuda_devices]}
+
+
+def set_rng_states(states: dict[str, Any], cuda_devices: list[int]) -> None:
+    torch.set_rng_state(states["cpu"])
+    for index, saved in zip(cuda_devices, states["cuda"]):
+        torch.cuda.set_rng_state(saved, index)
 
 
 def seed_dropout(seed: int, epoch: int, rank: int, dp_gpus: list[int]) -> None:
@@ -455,11 +546,13 @@ def without_profiler(walls: tuple[float, ...], overheads: tuple[float, ...], ste
             [None if wall is None else wall - (off if steady_traced else 0.0) for wall, off in zip(steady_walls, own)])
 
 
-def crash_if_asked(epoch: int) -> None:
-    """Test hook: MNIST_PIPELINE_CRASH_AFTER_EPOCH=N kills a first attempt right after epoch N's
-    checkpoint, as a lost node would, so resume can be tested against an uninterrupted run."""
-    if os.environ.get("MNIST_PIPELINE_CRASH_AFTER_EPOCH") == str(epoch) and not restarted_by_torchrun():
-        print(f"crashing after epoch {epoch} (MNIST_PIPELINE_CRASH_AFTER_EPOCH)", file=sys.stderr, flush=True)
+def crash_if_asked(count: int, unit: str = "EPOCH") -> None:
+    """Test hook: MNIST_PIPELINE_CRASH_AFTER_EPOCH=N (or _STEP=N, a global step) kills a first
+    attempt right after that epoch's (step's) checkpoint, as a lost node would, so resume can be
+    tested against an uninterrupted run."""
+    name = f"MNIST_PIPELINE_CRASH_AFTER_{unit}"
+    if os.environ.get(name) == str(count) and not restarted_by_torchrun():
+        print(f"crashing after {unit.lower()} {count} ({name})", file=sys.stderr, flush=True)
         os._exit(75)
 
 

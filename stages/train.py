@@ -60,6 +60,9 @@ def untimed(config: Config, steps: int, history: list[dict]) -> dict[str, str | 
                  f"{train.throughput_warmup_steps})")
     if history[-1].get("breakdown"):
         unmeasured = None
+    elif history[-1].get("resumed_at_step"):
+        unmeasured = (f"the last epoch was resumed at its step {history[-1]['resumed_at_step']} from a mid-epoch "
+                      "checkpoint (train.checkpoint_every_steps)")
     elif not train.breakdown_steps:
         unmeasured = "train.breakdown_steps is 0"
     else:  # the window gives way to the traced steps (pipeline.breakdown.Probe.start_epoch)
