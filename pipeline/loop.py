@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import resource
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -51,6 +52,7 @@ from pipeline.parallel import (
     wrap,
 )
 from pipeline.precision import autocast_dtype, with_autocast
+from pipeline.preemption import Notice
 from pipeline.prepared import Split
 
 log = logging.getLogger(__name__)
@@ -337,133 +339,139 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
     # The devices whose peak memory is reported: DataParallel's GPUs, or this rank's device.
     memory_devices = list(range(dp_device_count(device))) if run.mode == "dp" else [device.index]
     show_bar = rank.is_main and sys.stderr.isatty()
-    for epoch in range(start_epoch, config.epochs):
-        seed_dropout(config.seed, epoch, rank.rank, memory_devices if run.mode == "dp" else [])
-        # Devices whose random draws (dropout) a mid-epoch checkpoint keeps, the CPU's beside them.
-        rng_devices = memory_devices if device.type == "cuda" else []
-        resumed, partial = partial, None  # a mid-epoch checkpoint's part: this epoch goes on from it
-        if resumed is not None:
-            set_rng_states(resumed["rng"], rng_devices)
-        carried_s = resumed["wall_s"] if resumed else 0.0  # this rank's time in the epoch before the resume
-        order = epoch_order(len(train_split), epoch, config.seed).to(device)
-        if device.type == "cuda":
-            for index in memory_devices:
-                torch.cuda.reset_peak_memory_stats(index)
-            torch.cuda.synchronize(device)
-        # What else the host (and this rank's GPUs) ran meanwhile.
-        host = hostload.Sample(hostload.gpu_uuids(memory_devices) if device.type == "cuda" else None)
-        started = time.perf_counter()
-        first_step = epoch * steps + 1
-        # A resumed epoch's steps before the resume ran in another process: its breakdown is not measured.
-        probe.start_epoch(steps, measure=epoch == config.epochs - 1 and resumed is None)
+    # With step checkpoints on, a preemption notice (SIGTERM, SIGUSR1) stops the training after a
+    # step, checkpointed (pipeline.preemption).
+    notice = Notice(rank) if config.checkpoint_every_steps else None
+    with notice or nullcontext():
+        for epoch in range(start_epoch, config.epochs):
+            seed_dropout(config.seed, epoch, rank.rank, memory_devices if run.mode == "dp" else [])
+            # Devices whose random draws (dropout) a mid-epoch checkpoint keeps, the CPU's beside them.
+            rng_devices = memory_devices if device.type == "cuda" else []
+            resumed, partial = partial, None  # a mid-epoch checkpoint's part: this epoch goes on from it
+            if resumed is not None:
+                set_rng_states(resumed["rng"], rng_devices)
+            carried_s = resumed["wall_s"] if resumed else 0.0  # this rank's time in the epoch before the resume
+            order = epoch_order(len(train_split), epoch, config.seed).to(device)
+            if device.type == "cuda":
+                for index in memory_devices:
+                    torch.cuda.reset_peak_memory_stats(index)
+                torch.cuda.synchronize(device)
+            # What else the host (and this rank's GPUs) ran meanwhile.
+            host = hostload.Sample(hostload.gpu_uuids(memory_devices) if device.type == "cuda" else None)
+            started = time.perf_counter()
+            first_step = epoch * steps + 1
+            # A resumed epoch's steps before the resume ran in another process: its breakdown is not measured.
+            probe.start_epoch(steps, measure=epoch == config.epochs - 1 and resumed is None)
 
-        loss_sum, correct, losses, clipped, shares = run_epoch(
-            wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
-            probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
-            label_smoothing=config.label_smoothing, max_grad_norm=config.max_grad_norm,
-            grad_accum_steps=config.grad_accum_steps, partial=resumed,
-            after_step=step_checkpoints(run, model, optimizer, scheduler, history, epoch, steps,
-                                        lambda: rng_states(rng_devices), started - carried_s))
-        train_wall = time.perf_counter() - started + carried_s
-        host_record = host.finish()
+            loss_sum, correct, losses, clipped, shares = run_epoch(
+                wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
+                probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
+                label_smoothing=config.label_smoothing, max_grad_norm=config.max_grad_norm,
+                grad_accum_steps=config.grad_accum_steps, partial=resumed,
+                after_step=step_checkpoints(run, model, optimizer, scheduler, history, epoch, steps,
+                                            lambda: rng_states(rng_devices), started - carried_s, notice))
+            train_wall = time.perf_counter() - started + carried_s
+            host_record = host.finish()
 
-        rank_samples = sum(shares)
-        rank_loss = loss_sum.item() / max(1, rank_samples)
-        # Steady state: the steps after the warm-up (cuDNN/cuBLAS handles, algorithm choice, lazy
-        # kernel loading, DDP's bucket rebuild), which on a fast GPU dominate a short epoch.
-        steady_wall = probe.steady_seconds()
-        # The profiler's own start, stop and export ran in the steady steps, unless before them.
-        steady_traced = probe.traced and probe.trace_start >= config.throughput_warmup_steps
-        steady_samples = sum(shares[config.throughput_warmup_steps:probe.steady_end])
-        # Each step's loss sum rides along in the epoch's one all_reduce: the loss curve of the
-        # global batches (loss_windows), the same in every mode.
-        sums = all_sum(torch.cat([torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples),
-                                               loss_sum.new_tensor(steady_samples)]), losses.double()]), rank)
-        train_sums, step_sums = sums[:4], sums[4:].tolist()
-        losses = losses.tolist()  # one copy per epoch
-        check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
-        val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size), rank)
-        epoch_time = time.perf_counter() - started + carried_s
-        breakdown = probe.results()  # before the clock's totals, which clear its marks
-        if breakdown is not None and probe.trace_file is not None:
-            breakdown["timeline"] = timeline(probe.trace_file, rank.rank)
-        # One exchange per epoch: every rank's times, its step breakdown, and its weights' checksum
-        # to prove they agree.
-        walls, overheads, steady_walls, epoch_times, checksums, breakdowns, hosts = zip(*all_gather_objects(
-            (train_wall, probe.overhead_s, steady_wall, epoch_time, weight_checksum(model), breakdown, host_record),
-            rank))
-        if len(set(checksums)) > 1:
-            raise RuntimeError(f"ranks out of sync after epoch {epoch + 1}: weight checksums per rank {checksums}")
-        waited = probe.traced and probe.trace_start + probe.traced < steps
-        train_times, steady_times = without_profiler(walls, overheads, steady_walls, steady_traced, waited)
-        train_time = train_times[rank.rank]
-        slowest = max(train_times)  # the slowest rank sets the pace of a synchronous step
-        metrics = {
-            "epoch": epoch + 1,
-            "train_loss": (train_sums[0] / train_sums[2]).item(),
-            "train_accuracy": (train_sums[1] / train_sums[2]).item(),
-            "val_loss": (val_sums[0] / val_sums[2]).item(),
-            "val_accuracy": (val_sums[1] / val_sums[2]).item(),
-            "samples_per_s": train_sums[2].item() / slowest,
-            "train_time_s": slowest,
-            # None when the epoch has no step after the warm-up.
-            "steady_samples_per_s": (train_sums[3].item() / max(steady_times)
-                                     if None not in steady_times and max(steady_times) > 0 else None),
-            "steady_time_s": max(steady_times) if None not in steady_times else None,
-            "epoch_time_s": max(epoch_times),
-            "steady_steps": max(0, probe.steady_end - config.throughput_warmup_steps),
-            # Cores other processes kept busy on the busiest host meanwhile (pipeline.hostload).
-            "host_load": hostload.others(list(hosts), max(walls)),
-            # The schedule's rate at the epoch's end (train.schedule; the one-cycle's peak is train.lr).
-            "lr_at_epoch_end": scheduler.get_last_lr()[0],
-            # Steps whose gradient was clipped (train.max_grad_norm), the same on every rank.
-            "clipped_steps": clipped.item(),
-            "loss_windows": loss_windows(step_sums, [len(b) for b in global_batches(order, config.batch_size)],
-                                         first_step),
-            "rank_weight_checksums": list(checksums),
-        }
-        if breakdown is not None:  # every rank's, on every rank
-            metrics["breakdown"] = list(breakdowns)
-        if resumed is not None:  # its times add the steps before the resume (each rank's own) to those after
-            metrics["resumed_at_step"] = resumed["step"]
-        if run.mode == "dp" and device.type == "cuda":  # DataParallel's memory, GPU by GPU
-            metrics.update({f"gpu{i}_peak_memory_mb": torch.cuda.max_memory_allocated(i) / 2**20
-                            for i in memory_devices})
-        rank_metrics = {
-            "loss": rank_loss,
-            "samples_per_s": rank_samples / train_time,
-            **probe.clock.totals(),
-            **({f"step_{key}_s": value for key, value in breakdown["median_s"].items()} if breakdown else {}),
-            "peak_memory_mb": peak_memory_mb(device),
-            "weight_checksum": checksums[rank.rank],
-            # A step in which this rank had no sample has no loss of its own to show.
-            "step_losses": [(first_step + i, value / shares[i]) for i, value in enumerate(losses)
-                            if run.log_every_n_steps and (first_step + i) % run.log_every_n_steps == 0
-                            and shares[i]],
-        }
-        history.append(metrics)
-        if rank.is_main:
-            report_epoch(run.mode, config.epochs, metrics)
-            save_torch(checkpoint_path, checkpoint_state(model, optimizer, scheduler, epoch + 1, history, config, run))
-        for hook in run.epoch_hooks:
-            hook(metrics, rank_metrics)
-        crash_if_asked(epoch + 1)
+            rank_samples = sum(shares)
+            rank_loss = loss_sum.item() / max(1, rank_samples)
+            # Steady state: the steps after the warm-up (cuDNN/cuBLAS handles, algorithm choice, lazy
+            # kernel loading, DDP's bucket rebuild), which on a fast GPU dominate a short epoch.
+            steady_wall = probe.steady_seconds()
+            # The profiler's own start, stop and export ran in the steady steps, unless before them.
+            steady_traced = probe.traced and probe.trace_start >= config.throughput_warmup_steps
+            steady_samples = sum(shares[config.throughput_warmup_steps:probe.steady_end])
+            # Each step's loss sum rides along in the epoch's one all_reduce: the loss curve of the
+            # global batches (loss_windows), the same in every mode.
+            sums = all_sum(torch.cat([torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples),
+                                                   loss_sum.new_tensor(steady_samples)]), losses.double()]), rank)
+            train_sums, step_sums = sums[:4], sums[4:].tolist()
+            losses = losses.tolist()  # one copy per epoch
+            check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
+            val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size), rank)
+            epoch_time = time.perf_counter() - started + carried_s
+            breakdown = probe.results()  # before the clock's totals, which clear its marks
+            if breakdown is not None and probe.trace_file is not None:
+                breakdown["timeline"] = timeline(probe.trace_file, rank.rank)
+            # One exchange per epoch: every rank's times, its step breakdown, and its weights' checksum
+            # to prove they agree.
+            walls, overheads, steady_walls, epoch_times, checksums, breakdowns, hosts = zip(*all_gather_objects(
+                (train_wall, probe.overhead_s, steady_wall, epoch_time, weight_checksum(model), breakdown, host_record),
+                rank))
+            if len(set(checksums)) > 1:
+                raise RuntimeError(f"ranks out of sync after epoch {epoch + 1}: weight checksums per rank {checksums}")
+            waited = probe.traced and probe.trace_start + probe.traced < steps
+            train_times, steady_times = without_profiler(walls, overheads, steady_walls, steady_traced, waited)
+            train_time = train_times[rank.rank]
+            slowest = max(train_times)  # the slowest rank sets the pace of a synchronous step
+            metrics = {
+                "epoch": epoch + 1,
+                "train_loss": (train_sums[0] / train_sums[2]).item(),
+                "train_accuracy": (train_sums[1] / train_sums[2]).item(),
+                "val_loss": (val_sums[0] / val_sums[2]).item(),
+                "val_accuracy": (val_sums[1] / val_sums[2]).item(),
+                "samples_per_s": train_sums[2].item() / slowest,
+                "train_time_s": slowest,
+                # None when the epoch has no step after the warm-up.
+                "steady_samples_per_s": (train_sums[3].item() / max(steady_times)
+                                         if None not in steady_times and max(steady_times) > 0 else None),
+                "steady_time_s": max(steady_times) if None not in steady_times else None,
+                "epoch_time_s": max(epoch_times),
+                "steady_steps": max(0, probe.steady_end - config.throughput_warmup_steps),
+                # Cores other processes kept busy on the busiest host meanwhile (pipeline.hostload).
+                "host_load": hostload.others(list(hosts), max(walls)),
+                # The schedule's rate at the epoch's end (train.schedule; the one-cycle's peak is train.lr).
+                "lr_at_epoch_end": scheduler.get_last_lr()[0],
+                # Steps whose gradient was clipped (train.max_grad_norm), the same on every rank.
+                "clipped_steps": clipped.item(),
+                "loss_windows": loss_windows(step_sums, [len(b) for b in global_batches(order, config.batch_size)],
+                                             first_step),
+                "rank_weight_checksums": list(checksums),
+            }
+            if breakdown is not None:  # every rank's, on every rank
+                metrics["breakdown"] = list(breakdowns)
+            if resumed is not None:  # its times add the steps before the resume (each rank's own) to those after
+                metrics["resumed_at_step"] = resumed["step"]
+            if run.mode == "dp" and device.type == "cuda":  # DataParallel's memory, GPU by GPU
+                metrics.update({f"gpu{i}_peak_memory_mb": torch.cuda.max_memory_allocated(i) / 2**20
+                                for i in memory_devices})
+            rank_metrics = {
+                "loss": rank_loss,
+                "samples_per_s": rank_samples / train_time,
+                **probe.clock.totals(),
+                **({f"step_{key}_s": value for key, value in breakdown["median_s"].items()} if breakdown else {}),
+                "peak_memory_mb": peak_memory_mb(device),
+                "weight_checksum": checksums[rank.rank],
+                # A step in which this rank had no sample has no loss of its own to show.
+                "step_losses": [(first_step + i, value / shares[i]) for i, value in enumerate(losses)
+                                if run.log_every_n_steps and (first_step + i) % run.log_every_n_steps == 0
+                                and shares[i]],
+            }
+            history.append(metrics)
+            if rank.is_main:
+                report_epoch(run.mode, config.epochs, metrics)
+                save_torch(checkpoint_path,
+                           checkpoint_state(model, optimizer, scheduler, epoch + 1, history, config, run))
+            for hook in run.epoch_hooks:
+                hook(metrics, rank_metrics)
+            crash_if_asked(epoch + 1)
     return model, history
 
 
 def step_checkpoints(run: Training, model: nn.Module, optimizer, scheduler, history: list[dict], epoch: int,
-                     steps: int, rng: Callable[[], dict], started: float) -> Callable | None:
+                     steps: int, rng: Callable[[], dict], started: float, notice: Notice | None) -> Callable | None:
     """run_epoch's `after_step` under train.checkpoint_every_steps (None when 0): every N global steps
-    but an epoch's last (its own checkpoint follows), every rank's part of the epoch so far goes into
-    the checkpoint rank 0 writes. `started`: when this rank's epoch started, the time before a resume
-    included."""
+    but an epoch's last (its own checkpoint follows), and after the step every rank agreed to stop at
+    on a preemption notice, every rank's part of the epoch so far goes into the checkpoint rank 0
+    writes. `started`: when this rank's epoch started, the time before a resume included."""
     every, rank = run.config.checkpoint_every_steps, run.rank
-    if not every:
+    if notice is None:
         return None
 
     def after_step(i: int, *sums) -> None:
         done = epoch * steps + i + 1
-        if done % every or i + 1 == steps:
+        stop = notice.agreed()
+        if not stop and (done % every or i + 1 == steps):
             return
         parts = all_gather_objects(in_epoch_sums(i + 1, *sums, rng=rng(), wall_s=time.perf_counter() - started), rank)
         if rank.is_main:
@@ -471,6 +479,12 @@ def step_checkpoints(run: Training, model: nn.Module, optimizer, scheduler, hist
                        {**checkpoint_state(model, optimizer, scheduler, epoch, history, run.config, run),
                         "in_epoch": {"world_size": rank.world_size, "ranks": parts}})
         broadcast_object(None, rank)  # no rank steps on (or is stopped) before the file is whole
+        if stop:  # ends as the signal would have ended it, but a step later, with nothing lost
+            if rank.is_main:
+                log.warning("%s: %s, so training stopped after step %d (epoch %d, step %d of %d), checkpointed in %s; "
+                            "a resume goes on from the next step", run.mode, signal.Signals(stop).name, done, epoch + 1,
+                            i + 1, steps, run.out_dir / CHECKPOINT_FILE)
+            raise SystemExit(128 + stop)
         crash_if_asked(done, "STEP")
 
     return after_step
