@@ -47,7 +47,7 @@ from pipeline.parallel import (
     broadcast_object,
     dp_device_count,
     check_world_size,
-    restarted_by_torchrun,
+    restarted,
     unwrap,
     wrap,
 )
@@ -565,7 +565,7 @@ def crash_if_asked(count: int, unit: str = "EPOCH") -> None:
     attempt right after that epoch's (step's) checkpoint, as a lost node would, so resume can be
     tested against an uninterrupted run."""
     name = f"MNIST_PIPELINE_CRASH_AFTER_{unit}"
-    if os.environ.get(name) == str(count) and not restarted_by_torchrun():
+    if os.environ.get(name) == str(count) and not restarted():
         print(f"crashing after {unit.lower()} {count} ({name})", file=sys.stderr, flush=True)
         os._exit(75)
 

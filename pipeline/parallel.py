@@ -83,6 +83,12 @@ def restarted_by_torchrun() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
+def restarted() -> bool:
+    """True in a worker started again after a failure or a preemption, by torchrun or by Slurm (a
+    requeued job: deploy/slurm/train.sbatch): it resumes from a checkpoint where one is, not afresh."""
+    return restarted_by_torchrun() or int(os.environ.get("SLURM_RESTART_COUNT", "0")) > 0
+
+
 def pick_device(rank: Rank, wanted: str = "auto", every_gpu: bool = False) -> torch.device:
     """One process per device: CUDA device `local_rank` when CUDA is present (`wanted`: auto or
     cuda), else the CPU (auto or cpu). `cuda` without a visible GPU is an error, not a silent CPU run.

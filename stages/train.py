@@ -203,13 +203,13 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
                   "batch_shares": batch_shares_label(config.train.batch_size, mode, rank, device)}
         # Read once, on rank 0, and sent to all: the loop continues from it, tracking reopens the runs it names.
         state = resume_state(out / CHECKPOINT_FILE, trajectory(config.train, mode), asked=resume,
-                             restarted=parallel.restarted_by_torchrun(), rank=rank)
+                             restarted=parallel.restarted(), rank=rank)
         facts = {**run_facts(mode, rank, device, distributed=mode == "ddp"), **record.inputs(params, data_dir)}
         tracking = config.tracking
         if os.environ.get(record.REPRODUCES_ENV):  # a reproduction: said from the start, and nothing registered
             facts["reproduces"] = os.environ[record.REPRODUCES_ENV]
             tracking = dataclasses.replace(tracking, registered_model="")
-        if state is None and not parallel.restarted_by_torchrun():
+        if state is None and not parallel.restarted():
             # A fresh training (under any launcher): what an earlier one left unsent is not its to replay.
             dropped = outbox.discard(out / OUTBOX_DIR, f"rank-{rank.rank}")
             if dropped:

@@ -507,6 +507,57 @@ def test_dvc_repro_submits_ddp_to_slurm_and_an_interrupted_job_continues_on_the_
     assert {c["tags"]["host"] for c in children} == {"node-a", "node-b"}
 
 
+def test_a_preemption_notice_requeues_the_job_which_goes_on_from_the_step_in_its_runs(
+        hosts, slurm, tracking_server, mnist_dir, tmp_path):
+    """`scancel --batch --signal=USR1` (what `sbatch --signal=B:USR1@120` sends ahead of a time
+    limit or a preemption) to a ddp job over both hosts, mid-training, with step checkpoints on: the
+    workers stop after their next step, checkpointed, the job requeues itself, and started again it
+    goes on from that step. The stage's `sbatch --wait` waits it out, and the weights are those of a
+    training never interrupted, in the same MLflow runs."""
+    train = {**SMALL["train"], "nodes": 2, "nproc": 1, "cpus_per_rank": 1, "epochs": 6,
+             "checkpoint_every_steps": 1000}  # never reached: the notice's checkpoint is the only one mid-epoch
+    reference = make_project(tmp_path / "reference", {**SMALL, "train": train})
+    prepare(reference, mnist_dir)
+    dirs = node_dirs(reference, tmp_path / "two-hosts")
+    train_on_two_hosts(hosts, dirs, tracking_server, tmp_path)
+
+    project = make_project(tmp_path / "proj", {**SMALL, "train": {**train, "launcher": "slurm"}})
+    prepare(project, mnist_dir)
+    env = {**slurm, **project_env(project, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=tracking_server,
+                                  **CREDENTIALS)}
+    proc = hosts[0].popen(["mnist-pipeline", "train", "--mode", "ddp"], cwd=project, env=env,
+                          log=tmp_path / "train.log")
+    logs = project / "models/ddp/logs"
+
+    def job_log() -> str:
+        return "".join(p.read_text() for p in logs.glob("slurm-*.out")) if logs.is_dir() else ""
+
+    try:
+        wait_until(lambda: "ddp epoch 1/6" in job_log(), "the job's first epoch", timeout=TWO_NODE_TIMEOUT_S,
+                   interval=0.5, diagnose=lambda: (tmp_path / "train.log").read_text()[-3000:] + job_log()[-3000:])
+        (log,) = logs.glob("slurm-*.out")
+        job = log.stem.split("-")[1]
+        first = json.loads((project / "models/ddp/mlflow_run.json").read_text())
+        notice = hosts[0].run(["scancel", "--batch", "--signal=USR1", job], cwd=project, env=env, timeout=30)
+        assert notice.returncode == 0, notice.stderr
+        proc.wait(timeout=TWO_NODE_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    said, text = (tmp_path / "train.log").read_text(), log.read_text()
+    assert proc.returncode == 0, said[-3000:] + text[-5000:]
+    assert re.search(r"ddp: SIGTERM, so training stopped after step \d+ \(epoch [1-6], step", text), text[-5000:]
+    assert f"mnist-ddp: preemption notice: the training stopped at a checkpoint; requeueing job {job}" in text
+    # Epoch 1 ran once; the requeued job went on from the step after the notice, to the end.
+    assert text.count("ddp epoch 1/6") == 1 and text.count("ddp epoch 6/6") == 1, text[-5000:]
+    assert max_abs_diff(load_weights(rank0_dir(dirs), "ddp"), load_weights(project, "ddp")) == 0.0
+    assert json.loads((project / "models/ddp/mlflow_run.json").read_text()) == first  # the same runs, continued
+    runs = server_runs(hosts[0], tracking_server)
+    (parent,) = [r for r in runs if r["id"] == first["parent"]]
+    children = [r for r in runs if r["tags"].get(PARENT) == first["parent"]]
+    assert parent["status"] == "FINISHED" and [c["status"] for c in children] == ["FINISHED"] * 2
+
+
 def test_a_gpu_training_asks_slurm_for_its_gpus_and_fails_clearly_where_none_is_visible(hosts, slurm, mnist_dir,
                                                                                          tmp_path):
     """train.device: cuda asks the job for train.nproc GPUs a node, and Slurm grants them from its
