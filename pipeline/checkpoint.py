@@ -95,13 +95,25 @@ def settings_changed(state: dict[str, Any], expected: dict[str, Any]) -> str:
                      if saved.get(k) != expected.get(k))
 
 
+def other_world(state: dict[str, Any], world_size: int | None, path: Path) -> str | None:
+    """Why a mid-epoch checkpoint cannot go on at `world_size` ranks (each rank carries its own part
+    of the epoch), or None where it can, or the world size is not known before the job starts."""
+    in_epoch = state.get("in_epoch")
+    if not in_epoch or world_size is None or in_epoch["world_size"] == world_size:
+        return None
+    return (f"{path}: written at step {in_epoch_step(state)} of epoch {state['epoch'] + 1} by {in_epoch['world_size']} "
+            f"ranks, and this training would have {world_size}: set train.nproc (and train.nodes) back to make "
+            f"{in_epoch['world_size']}, or delete it and train afresh")
+
+
 def in_epoch_step(state: dict[str, Any]) -> int:
     """Steps done in the epoch after the checkpoint's last whole one (0: written at an epoch's end)."""
     in_epoch = state.get("in_epoch")
     return in_epoch["ranks"][0]["step"] if in_epoch else 0
 
 
-def resume_state(path: Path, expected: dict[str, Any], asked: bool, restarted: bool, rank: Rank) -> dict[str, Any] | None:
+def resume_state(path: Path, expected: dict[str, Any], asked: bool, restarted: bool, rank: Rank,
+                 launch: str = "") -> dict[str, Any] | None:
     """The state to continue from, or None to start afresh, the same on every rank.
 
     Nodes have disks of their own, and only the node that held rank 0 wrote checkpoints; after a
@@ -109,7 +121,9 @@ def resume_state(path: Path, expected: dict[str, Any], asked: bool, restarted: b
     lowest rank with the newest checkpoint reads it and sends it to all: a rank that decided by
     its own disk would start over while the others go on. Call it inside the process group, before
     wrapping for DDP. `asked`: --resume (no checkpoint anywhere is an error); `restarted`: torchrun
-    restarted the workers, so continue if any node holds a checkpoint.
+    restarted the workers, or Slurm requeued their job, so continue from a checkpoint that this
+    `launch` (parallel.launch_id) wrote, if any node holds one: one an earlier training left there
+    is not this one's to finish.
     """
     if not (asked or restarted):
         return None
@@ -117,7 +131,8 @@ def resume_state(path: Path, expected: dict[str, Any], asked: bool, restarted: b
     if path.is_file():
         try:
             state = load_checkpoint(path, expected)
-            progress = (state["epoch"], in_epoch_step(state))
+            if asked or state.get("extra", {}).get("launch") == launch:
+                progress = (state["epoch"], in_epoch_step(state))
         except PipelineError as exc:
             problem = str(exc)
     found = all_gather_objects((progress, rank.rank, problem), rank)
@@ -155,7 +170,7 @@ def inputs_changed(then: Any, now: dict[str, dict[str, str]]) -> str | None:
 
 
 def why_not_continue(out_dir: Path, record: dict, expected: dict[str, Any], inputs: dict,
-                     settings: dict[str, Any]) -> str | None:
+                     settings: dict[str, Any], world_size: int | None = None) -> str | None:
     """None if the interrupted training in `out_dir` can go on and end with the outputs an
     uninterrupted one would write; otherwise why not, for the log. `settings`: every setting the
     stage reads, as `record` (written at the start) holds them: the trajectory's alone would let
@@ -178,4 +193,6 @@ def why_not_continue(out_dir: Path, record: dict, expected: dict[str, Any], inpu
     except PipelineError as exc:
         return str(exc)
     details = settings_changed(state, expected)
-    return f"its settings changed ({details})" if details else None
+    if details:
+        return f"its settings changed ({details})"
+    return other_world(state, world_size, path)

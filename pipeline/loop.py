@@ -36,7 +36,7 @@ from tqdm import tqdm
 from pipeline.atomic import save_torch
 from pipeline.breakdown import Probe, timeline
 from pipeline import hostload
-from pipeline.checkpoint import CHECKPOINT_FILE, check_schedule_length, trajectory
+from pipeline.checkpoint import CHECKPOINT_FILE, check_schedule_length, other_world, trajectory
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.model import build_model
@@ -52,7 +52,7 @@ from pipeline.parallel import (
     wrap,
 )
 from pipeline.precision import autocast_dtype, with_autocast
-from pipeline.preemption import Notice
+from pipeline.preemption import Notice, say_stopped
 from pipeline.prepared import Split
 
 log = logging.getLogger(__name__)
@@ -481,9 +481,10 @@ def step_checkpoints(run: Training, model: nn.Module, optimizer, scheduler, hist
         broadcast_object(None, rank)  # no rank steps on (or is stopped) before the file is whole
         if stop:  # ends as the signal would have ended it, but a step later, with nothing lost
             if rank.is_main:
-                log.warning("%s: %s, so training stopped after step %d (epoch %d, step %d of %d), checkpointed in %s; "
-                            "a resume goes on from the next step", run.mode, signal.Signals(stop).name, done, epoch + 1,
-                            i + 1, steps, run.out_dir / CHECKPOINT_FILE)
+                said = (f"{run.mode}: {signal.Signals(stop).name}, so training stopped after step {done} (epoch "
+                        f"{epoch + 1}, step {i + 1} of {steps}), checkpointed in {run.out_dir / CHECKPOINT_FILE}")
+                log.warning("%s; a resume goes on from the next step", said)
+                say_stopped(said)
             raise SystemExit(128 + stop)
         crash_if_asked(done, "STEP")
 
@@ -513,16 +514,12 @@ def in_epoch_sums(step: int, loss_sum: torch.Tensor, correct: torch.Tensor, clip
 
 def in_epoch_part(state: dict[str, Any], rank: Rank, path: Path) -> dict[str, Any] | None:
     """This rank's part of a mid-epoch checkpoint, or None for one written at an epoch's end. Each
-    rank carries its own sums and random state, so the world size must be the one that wrote it."""
-    in_epoch = state.get("in_epoch")
-    if in_epoch is None:
-        return None
-    if in_epoch["world_size"] != rank.world_size:
-        raise PipelineError(
-            f"{path}: written at step {in_epoch['ranks'][0]['step']} of epoch {state['epoch'] + 1} by "
-            f"{in_epoch['world_size']} ranks, and this training has {rank.world_size}: resume it with "
-            f"{in_epoch['world_size']} (train.nproc, train.nodes), or train afresh without --resume")
-    return in_epoch["ranks"][rank.rank]
+    rank carries its own sums and random state, so the world size must be the one that wrote it
+    (train's pick_up said so before the launch; a worker checks again)."""
+    refused = other_world(state, rank.world_size, path)
+    if refused:
+        raise PipelineError(refused)
+    return state["in_epoch"]["ranks"][rank.rank] if state.get("in_epoch") else None
 
 
 def rng_states(cuda_devices: list[int]) -> dict[str, Any]:

@@ -83,6 +83,12 @@ def restarted_by_torchrun() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
 
 
+def launch_id() -> str:
+    """What names this launch of the workers, the same across torchrun's restarts of them and a
+    Slurm job's requeues (train.sbatch's rendezvous id is the job id); "" outside both."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID", "")
+
+
 def restarted() -> bool:
     """True in a worker started again after a failure or a preemption, by torchrun or by Slurm (a
     requeued job: deploy/slurm/train.sbatch): it resumes from a checkpoint where one is, not afresh."""

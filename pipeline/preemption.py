@@ -2,8 +2,10 @@
 
 Schedulers warn before they take a node back: Kubernetes sends SIGTERM and waits out the pod's
 grace period (30 s by default), Slurm sends SIGTERM before its SIGKILL (GraceTime), or a signal of
-the job's choosing ahead of time (`sbatch --signal=USR1@120`), and torchrun passes a SIGTERM on to
-its workers and gives them 30 s. With step checkpoints on (train.checkpoint_every_steps), the
+the job's choosing ahead of time to the batch script (`sbatch --signal=B:USR1@120`, which
+deploy/slurm/train.sbatch passes on as SIGTERM: a USR1 of its own would kill torchrun's agent), and
+torchrun passes a SIGTERM on to its workers and gives them 30 s. A USR1 sent to a worker itself
+counts too. With step checkpoints on (train.checkpoint_every_steps), the
 training takes the notice rather than dying where it stands: every rank stops after the same step,
 the checkpoint is written, and the process ends as the signal would have ended it (exit 128 +
 signal), so that a resume (a restarted worker, `--resume`, `dvc repro`) goes on from the next step
@@ -16,8 +18,10 @@ rank reads the same answer after the same step, one step late, and no GPU waits 
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,6 +29,9 @@ import torch.distributed as dist
 from pipeline.parallel import Rank
 
 NOTICES = (signal.SIGTERM, signal.SIGUSR1)
+# Set by deploy/slurm/train.sbatch: the file rank 0 writes when the training stopped for a notice,
+# so that the job requeues itself only then (not after a training that had finished anyway).
+STOPPED_FILE_ENV = "MNIST_PIPELINE_STOPPED_FILE"
 
 
 class Notice:
@@ -64,3 +71,11 @@ class Notice:
         flag = torch.tensor([self.signum], dtype=torch.int32)
         self.in_flight = (flag, dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
         return decided
+
+
+def say_stopped(what: str) -> None:
+    """On rank 0, once the checkpoint is whole: tell the batch script that the training stopped for
+    a notice and can go on from there (STOPPED_FILE_ENV; nothing without it)."""
+    path = os.environ.get(STOPPED_FILE_ENV)
+    if path:
+        Path(path).write_text(what + "\n")

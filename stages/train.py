@@ -203,7 +203,7 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
                   "batch_shares": batch_shares_label(config.train.batch_size, mode, rank, device)}
         # Read once, on rank 0, and sent to all: the loop continues from it, tracking reopens the runs it names.
         state = resume_state(out / CHECKPOINT_FILE, trajectory(config.train, mode), asked=resume,
-                             restarted=parallel.restarted(), rank=rank)
+                             restarted=parallel.restarted(), rank=rank, launch=parallel.launch_id())
         facts = {**run_facts(mode, rank, device, distributed=mode == "ddp"), **record.inputs(params, data_dir)}
         tracking = config.tracking
         if os.environ.get(record.REPRODUCES_ENV):  # a reproduction: said from the start, and nothing registered
@@ -224,7 +224,8 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
             if state is None:  # a resumed run has them already
                 runs.log_datasets(data_dir, ("train", "val"))
             run = Training(config.train, mode, rank, device, out, resume_state=state, epoch_hooks=[runs.log_epoch],
-                           extra_state={"mlflow": runs.ids}, log_every_n_steps=config.tracking.log_every_n_steps)
+                           extra_state={"mlflow": runs.ids, "launch": parallel.launch_id()},
+                           log_every_n_steps=config.tracking.log_every_n_steps)
             model, history = train_model(run, train_split, val_split)
             # Before the runs end FINISHED: a module imported late ran the bytes saved meanwhile.
             record.check_code_as_imported()
@@ -270,6 +271,16 @@ def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Ra
                            [out / CHECKPOINT_FILE, run_files / curves.name, run_files / "params.yaml"])
 
 
+def planned_world_size(config: Config, mode: str) -> int | None:
+    """The ranks this training will have; None where a Slurm job decides (train.nproc 0)."""
+    if mode != "ddp":
+        return 1
+    if config.train.launcher == "slurm" and not config.train.nproc:
+        return None
+    workers, nodes = parallel.ddp_layout(config.train)
+    return workers * nodes
+
+
 def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
     """Whether this training continues an interrupted one in models/<mode> (dvc.yaml keeps that
     folder between attempts). It does when the settings, the prepared data, the code and the
@@ -289,6 +300,9 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
     kept = outbox.unsent(out / OUTBOX_DIR)
     if asked and (out / CHECKPOINT_FILE).is_file():  # ours, and of these settings: said before anything changes
         state = checkpoint.load_checkpoint(out / CHECKPOINT_FILE, trajectory(config.train, mode))
+        refused = checkpoint.other_world(state, planned_world_size(config, mode), out / CHECKPOINT_FILE)
+        if refused:
+            raise PipelineError(refused)
         train_count = load_stats(data_dir).get("splits", {}).get("train", {}).get("count")
         if train_count:  # check_prepared has refused a stats.json without it
             checkpoint.check_schedule_length(state, config.train.epochs * steps_per_epoch(
@@ -306,7 +320,8 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
             f"{shown(tracking_uri())} does not hold ({missing[0]}...): set MLFLOW_TRACKING_URI "
             "back to the store it was trained with, or train afresh without --resume")
     if record is not None and not asked:
-        why_not = checkpoint.why_not_continue(out, record, trajectory(config.train, mode), inputs, settings)
+        why_not = checkpoint.why_not_continue(out, record, trajectory(config.train, mode), inputs, settings,
+                                              planned_world_size(config, mode))
         if why_not is None and missing:
             why_not = (f"its MLflow runs are not in (or were deleted from) the tracking store "
                        f"{shown(tracking_uri())} (was MLFLOW_TRACKING_URI changed?)")

@@ -547,7 +547,9 @@ def test_a_preemption_notice_requeues_the_job_which_goes_on_from_the_step_in_its
     said, text = (tmp_path / "train.log").read_text(), log.read_text()
     assert proc.returncode == 0, said[-3000:] + text[-5000:]
     assert re.search(r"ddp: SIGTERM, so training stopped after step \d+ \(epoch [1-6], step", text), text[-5000:]
-    assert f"mnist-ddp: preemption notice: the training stopped at a checkpoint; requeueing job {job}" in text
+    assert re.search(rf"^mnist-ddp: preemption notice: ddp: SIGTERM, so training stopped after step \d+ .*; "
+                     rf"requeueing job {job}$", text, re.M), text[-5000:]
+    assert not list(project.glob(".mnist-pipeline-stopped-*"))  # the script's marker, read and gone
     # Epoch 1 ran once; the requeued job went on from the step after the notice, to the end.
     assert text.count("ddp epoch 1/6") == 1 and text.count("ddp epoch 6/6") == 1, text[-5000:]
     assert max_abs_diff(load_weights(rank0_dir(dirs), "ddp"), load_weights(project, "ddp")) == 0.0

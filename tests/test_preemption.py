@@ -10,12 +10,13 @@ import os
 import signal
 import subprocess
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from pipeline.checkpoint import CHECKPOINT_FILE, in_epoch_step, read_checkpoint
 from pipeline.parallel import Rank
-from pipeline.preemption import Notice
+from pipeline.preemption import STOPPED_FILE_ENV, Notice, say_stopped
 from tests.conftest import SMALL, load_weights, make_project, prepare, project_env, subprocess_env, train_cli
 from tests.ddp_harness import run_ranks
 
@@ -89,3 +90,21 @@ def test_a_preempted_training_stops_checkpointed_and_resumes_in_its_runs(tmp_pat
     parent = client_of(project).get_run(runs["parent"])
     assert parent.info.status == "FINISHED"
     assert {m.step for m in client_of(project).get_metric_history(runs["parent"], "train_loss")} == {1, 2, 3, 4}
+
+
+@pytest.mark.fast
+def test_a_notice_is_noted_not_obeyed_and_the_handlers_come_back(tmp_path, monkeypatch):
+    """One process (no group to agree with): the signal is the notice at once; outside the block
+    the handlers are the ones before it. Rank 0's word to the batch script goes to its file."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    with Notice(Rank()) as notice:
+        assert notice.agreed() == 0
+        os.kill(os.getpid(), signal.SIGUSR1)  # would end the process outside the block
+        os.kill(os.getpid(), signal.SIGTERM)  # the first notice counts
+        assert notice.agreed() == signal.SIGUSR1
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    said = tmp_path / "stopped"
+    say_stopped("ddp: SIGTERM, so training stopped after step 3")  # no file asked for: nothing written
+    monkeypatch.setenv(STOPPED_FILE_ENV, str(said))
+    say_stopped("ddp: SIGTERM, so training stopped after step 3")
+    assert said.read_text() == "ddp: SIGTERM, so training stopped after step 3\n"

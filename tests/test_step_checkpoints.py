@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from pipeline.checkpoint import CHECKPOINT_FILE, in_epoch_step, read_checkpoint
+from pipeline.checkpoint import CHECKPOINT_FILE, in_epoch_step, other_world, read_checkpoint, resume_state, trajectory
+from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
-from pipeline.loop import Training, in_epoch_part, train
+from pipeline.loop import Training, build, in_epoch_part, train
 from pipeline.parallel import Rank
 from tests.ddp_harness import learnable_data, rank_dir, run_ranks, train_config
 
@@ -79,6 +81,27 @@ def test_a_mid_epoch_checkpoint_resumes_only_at_its_world_size(tmp_path):
     state = {"epoch": 1, "in_epoch": {"world_size": 3, "ranks": [{"step": 6}, {"step": 6}, {"step": 6}]}}
     assert in_epoch_part(state, Rank(1, 1, 3, 3), tmp_path / CHECKPOINT_FILE) == {"step": 6}
     assert in_epoch_part({"epoch": 1}, Rank(), tmp_path / CHECKPOINT_FILE) is None  # an epoch's end: any size
-    with pytest.raises(PipelineError, match=r"checkpoint.pt: written at step 6 of epoch 2 by 3 ranks, and this "
-                                            r"training has 2: resume it with 3 \(train.nproc, train.nodes\)"):
+    assert other_world(state, None, tmp_path / CHECKPOINT_FILE) is None  # a Slurm job decides: not known before
+    refusal = (r"checkpoint.pt: written at step 6 of epoch 2 by 3 ranks, and this training would have 2: set "
+               r"train.nproc \(and train.nodes\) back to make 3, or delete it and train afresh")
+    with pytest.raises(PipelineError, match=refusal):
         in_epoch_part(state, Rank(0, 0, 2, 2), tmp_path / CHECKPOINT_FILE)
+    # What `dvc repro` says when it would continue the training: it starts afresh instead, saying why.
+    assert re.search(refusal, other_world(state, 2, tmp_path / CHECKPOINT_FILE))
+
+
+@pytest.mark.fast
+def test_a_restart_continues_only_a_checkpoint_of_its_own_launch(tmp_path):
+    """A restarted worker (torchrun's restart, a requeued Slurm job) continues what its own launch
+    saved; a checkpoint an earlier training left in the folder is not its to finish. --resume
+    continues whatever is there."""
+    cfg = TrainConfig()
+    model, optimizer, scheduler = build(cfg, 10, torch.device("cpu"))
+    path = tmp_path / CHECKPOINT_FILE
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "epoch": 1, "history": [], "trajectory": trajectory(cfg, "single"), "extra": {"launch": "job-7"}}, path)
+    expected = trajectory(cfg, "single")
+    assert resume_state(path, expected, asked=False, restarted=True, rank=Rank(), launch="job-7")["epoch"] == 1
+    assert resume_state(path, expected, asked=False, restarted=True, rank=Rank(), launch="job-8") is None
+    assert resume_state(path, expected, asked=True, restarted=False, rank=Rank(), launch="job-8")["epoch"] == 1
+    assert resume_state(path, expected, asked=False, restarted=False, rank=Rank(), launch="job-7") is None
