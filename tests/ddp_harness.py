@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeline.config import TrainConfig
-from pipeline.loop import DeviceSplit
+from pipeline.loop import DeviceSplit, Training, train
+from pipeline.parallel import Rank
 from tests.conftest import free_port
 
 
@@ -48,3 +49,14 @@ def rank_dir(out: Path, r: int) -> Path:
     folder = out / f"rank-{r}"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def train_each(r: int, world: int, configs: list[TrainConfig], train_split: DeviceSplit, val_split: DeviceSplit,
+               out: Path) -> None:
+    """Rank r of a DDP training under each config in turn; rank 0 saves config i's weights and
+    history to out/<i>.pt. (The loop raises if the ranks' weights ever differ.)"""
+    for i, cfg in enumerate(configs):
+        run = Training(cfg, "ddp", Rank(r, r, world, world), torch.device("cpu"), rank_dir(out / str(i), r))
+        model, history = train(run, train_split, val_split)
+        if r == 0:
+            torch.save({"weights": model.state_dict(), "history": history}, out / f"{i}.pt")

@@ -18,7 +18,7 @@ from pipeline.errors import ConfigError
 from pipeline.loop import Training, build, epoch_order, micro_batches, run_epoch, train, wrap_for_mode
 from pipeline.parallel import Rank, check_every_mode
 from tests.conftest import relative_difference
-from tests.ddp_harness import learnable_data, rank_dir, run_ranks, train_config
+from tests.ddp_harness import learnable_data, run_ranks, train_config, train_each
 
 ACCUMULATED = 3
 
@@ -74,11 +74,7 @@ class AllReduceCount:
 
 
 def ddp_rank(r: int, world: int, configs: list[TrainConfig], train_split, val_split, out) -> None:
-    for i, cfg in enumerate(configs):
-        run = Training(cfg, "ddp", Rank(r, r, world, world), torch.device("cpu"), rank_dir(out / str(i), r))
-        model, history = train(run, train_split, val_split)  # raises if the ranks' weights ever differ
-        if r == 0:
-            torch.save({"weights": model.state_dict(), "history": history}, out / f"{i}.pt")
+    train_each(r, world, configs, train_split, val_split, out)
     # One epoch of the loop's steps with a counting hook: all-reduces a step, with and without accumulation.
     counts = []
     for cfg in configs:

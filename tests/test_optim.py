@@ -19,7 +19,7 @@ from pipeline.model import build_model
 from pipeline.optim import build_optimizer, build_schedule
 from pipeline.parallel import Rank
 from tests.conftest import relative_difference
-from tests.ddp_harness import learnable_data, rank_dir, run_ranks, train_config
+from tests.ddp_harness import learnable_data, run_ranks, train_config, train_each
 
 # The non-default choices trained below: each optimizer and each schedule at least once, and
 # clipping (train.max_grad_norm) on one of them.
@@ -176,21 +176,13 @@ def stop_after_first_epoch(metrics: dict, _rank_metrics: dict) -> None:
         raise Interrupted
 
 
-def ddp_rank(r: int, world: int, configs: list[TrainConfig], train_split, val_split, out) -> None:
-    for i, cfg in enumerate(configs):
-        run = Training(cfg, "ddp", Rank(r, r, world, world), torch.device("cpu"), rank_dir(out / str(i), r))
-        model, history = train(run, train_split, val_split)  # raises if the ranks' weights ever differ
-        if r == 0:
-            torch.save({"weights": model.state_dict(), "history": history}, out / f"{i}.pt")
-
-
 def test_other_choices_train_the_same_in_ddp_and_resume_bit_for_bit(tmp_path):
     # 1250 images: 10 steps of 128 an epoch, the last one 98 (shares 33/33/32 at 3 ranks).
     configs = [dataclasses.replace(train_config(batch_size=128, epochs=2), optimizer=name, schedule=schedule,
                                    lr=0.05 if name == "sgd" else 0.02, weight_decay=0.01, max_grad_norm=clip)
                for name, schedule, clip in CHOICES]
     train_split, val_split = learnable_data(1250), learnable_data(101, seed=1)
-    run_ranks(3, ddp_rank, configs, train_split, val_split, tmp_path / "ddp")
+    run_ranks(3, train_each, configs, train_split, val_split, tmp_path / "ddp")
     for i, cfg in enumerate(configs):
         single_dir = tmp_path / f"single-{i}"
         single_dir.mkdir()

@@ -13,6 +13,7 @@ import subprocess
 import pytest
 import torch
 import torch.distributed as dist
+from mlflow import MlflowClient
 
 from pipeline.checkpoint import CHECKPOINT_FILE, in_epoch_step, read_checkpoint
 from pipeline.parallel import Rank
@@ -21,12 +22,6 @@ from tests.conftest import SMALL, load_weights, make_project, prepare, project_e
 from tests.ddp_harness import run_ranks
 
 SIGNALLED_AT = 5  # the step after which rank 2 alone is signalled
-
-
-def client_of(project):
-    from mlflow import MlflowClient
-
-    return MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
 
 
 def lockstep(r: int, world: int, out) -> None:
@@ -87,9 +82,9 @@ def test_a_preempted_training_stops_checkpointed_and_resumes_in_its_runs(tmp_pat
     assert torch.equal(torch.cat([w.flatten() for w in reference.values()]),
                        torch.cat([w.flatten() for w in load_weights(project, "ddp").values()]))
     assert json.loads(ids_file.read_text()) == runs  # the same runs, continued
-    parent = client_of(project).get_run(runs["parent"])
-    assert parent.info.status == "FINISHED"
-    assert {m.step for m in client_of(project).get_metric_history(runs["parent"], "train_loss")} == {1, 2, 3, 4}
+    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    assert client.get_run(runs["parent"]).info.status == "FINISHED"
+    assert {m.step for m in client.get_metric_history(runs["parent"], "train_loss")} == {1, 2, 3, 4}
 
 
 @pytest.mark.fast
