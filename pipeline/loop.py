@@ -272,6 +272,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
         shares.append(len(idx))
         if after_step is not None:
             after_step(i, loss_sum, correct, clipped, losses, shares)
+        pause_if_asked()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the epoch's time must include its queued kernels
     return loss_sum, correct, losses, clipped, shares
@@ -565,6 +566,15 @@ def crash_if_asked(count: int, unit: str = "EPOCH") -> None:
     if os.environ.get(name) == str(count) and not restarted():
         print(f"crashing after {unit.lower()} {count} ({name})", file=sys.stderr, flush=True)
         os._exit(75)
+
+
+def pause_if_asked() -> None:
+    """Test hook: MNIST_PIPELINE_STEP_PAUSE_S=S sleeps S seconds after each step, so a test that
+    acts on a training while it runs (a kill, a signal, an edit) has one that lasts, idle, instead
+    of many epochs that take the CPU the suite's other tests need (docs/testing.md, #52)."""
+    pause = os.environ.get("MNIST_PIPELINE_STEP_PAUSE_S")
+    if pause:
+        time.sleep(float(pause))
 
 
 def report_epoch(mode: str, epochs: int, m: dict) -> None:

@@ -411,9 +411,8 @@ def facts_that_differ(original: dict[str, str], remade: dict[str, str]) -> list[
 
 
 def reproduce(run_id: str, workspace: Path, echo: Callable[[str], None]) -> tuple[int, str]:
-    """Re-make run `run_id`: (exit code, verdict line)."""
-    import torch
-
+    """Re-make run `run_id`: (exit code, verdict line). torch is imported only once the run is one
+    that can be re-made: a refusal answers in the time MLflow's import takes."""
     uri = tracking_uri()
     try:
         check_store(uri)
@@ -437,6 +436,8 @@ def reproduce(run_id: str, workspace: Path, echo: Callable[[str], None]) -> tupl
              usable_cpus(recorded, echo))
         out = checkout / "models" / recorded.mode
         new_id = json.loads((out / "mlflow_run.json").read_text())["parent"]
+        import torch
+
         remade_weights = torch.load(out / "model.pt", map_location="cpu", weights_only=True)["state_dict"]
     expected = recorded.tags.get("weights_sha256") or record.weights_digest(original)
     same = record.weights_digest(remade_weights) == expected

@@ -177,10 +177,11 @@ def test_a_run_deleted_during_training_is_said_so_and_the_way_on_works(project):
 
     out = project / "models/single"
     shutil.rmtree(out, ignore_errors=True)
-    write_params(project / "longer.yaml", **{**SMALL, "train": {**SMALL["train"], "epochs": 4, "batch_size": 20}})
+    write_params(project / "longer.yaml", **{**SMALL, "train": {**SMALL["train"], "epochs": 3}})
+    # Each step pauses (the loop's test hook): the 2 epochs after the first last 4 s, idle.
     proc = subprocess.Popen(["mnist-pipeline", "train", "--mode", "single", "--params", "longer.yaml"], cwd=project,
-                            env=subprocess_env(**project_env(project)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            env=subprocess_env(**project_env(project, MNIST_PIPELINE_STEP_PAUSE_S="0.2")),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         parent = first_epoch_run(project, "single", proc)
         assert parent is not None, proc.communicate()[1][-3000:]

@@ -54,10 +54,15 @@ def verdict(proc: subprocess.CompletedProcess) -> str:
     return lines[-1] if lines else f"no verdict:\n{proc.stdout}\n{proc.stderr}"
 
 
+REGISTERED = "mnist-small"
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, mnist_dir) -> Path:
-    """A small project in which each mode trained once, from a clean tree."""
-    project = make_project(tmp_path_factory.mktemp("reproduce") / "proj", SMALL)
+    """A small project in which each mode trained once, from a clean tree, each registering its
+    model under the mode's alias."""
+    project = make_project(tmp_path_factory.mktemp("reproduce") / "proj",
+                           {**SMALL, "tracking": {"registered_model": REGISTERED}})
     prepare(project, mnist_dir)
     for mode in ("single", "dp", "ddp"):
         train_cli(project, mode)
@@ -77,13 +82,23 @@ def test_a_run_the_store_does_not_hold_is_refused_before_anything_is_made(tmp_pa
     assert workspace_state(project) == before and not list((project / ".dvc" / "tmp").glob("reproduce-*"))
 
 
+def registry(client: MlflowClient) -> tuple[dict, dict]:
+    """The registered model's versions (version: run) and the modes' aliases (mode: version)."""
+    versions = {v.version: v.run_id for v in client.search_model_versions(f"name = '{REGISTERED}'")}
+    aliases = client.get_registered_model(REGISTERED).aliases
+    return versions, aliases
+
+
 @pytest.mark.parametrize("mode", ["single", "dp", "ddp"])
 def test_each_mode_is_remade_bit_for_bit(trained, mode):
     """Each named by its run's id, and single by the mode's name, which names the workspace's last
     training of it, not the store's newest run of the mode (one reproduction holds both: each is a
-    training)."""
+    training). Re-making an old run leaves the registry alone: no version of its own, and the
+    mode's alias still on the model the workspace trained."""
     original = parent_of(trained, mode)
     client = client_of(trained)
+    before_registry = registry(client)
+    assert len(before_registry[0]) == 3 and set(before_registry[1]) == {"single", "dp", "ddp"}
     if mode == "single":  # a newer finished run of the mode in the store, which the name must not find
         decoy = client.create_run(client.get_run(original).info.experiment_id, run_name="single",
                                   tags={"mode": "single"}).info.run_id
@@ -95,6 +110,7 @@ def test_each_mode_is_remade_bit_for_bit(trained, mode):
     if mode == "single":
         assert f"as run {original} did" in proc.stdout
     assert workspace_state(trained) == before  # outputs, models/, the checkout: as they were
+    assert registry(client) == before_registry
     tags = client.get_run(original).data.tags
     assert tags["reproduction"] == "bit for bit"
     remade = client.get_run(tags["reproduction_run"])
@@ -381,36 +397,23 @@ def runs_reproducing(client: MlflowClient, run_id: str) -> list:
     return client.search_runs(experiments, f"tags.reproduces = '{run_id}'")
 
 
-def test_a_reproduction_leaves_the_registry_alone_and_stops_with_its_training(tmp_path, mnist_dir):
-    """Re-making an old run must not register its model and move the mode's alias to it. Stopped
-    (SIGTERM to its pid, or Ctrl-C), it stops the training it started, whose runs say from their
-    start what they reproduce and end FAILED, removes its checkout, and exits 143 or 130, not 1."""
+def test_a_stopped_reproduction_stops_its_training(trained):
+    """Stopped (SIGTERM to its pid, or Ctrl-C), a reproduction stops the training it started, whose
+    runs say from their start what they reproduce and end FAILED, removes its checkout, and exits
+    143 or 130, not 1. Each step of the training pauses (the loop's test hook), so it still trains
+    when the signal comes."""
     import signal
     import time
 
     import psutil
 
-    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 20},
-                                               "tracking": {"registered_model": "mnist-small"}})
-    prepare(project, mnist_dir)
-    for mode in ("single", "ddp"):
-        train_cli(project, mode)
-    client = client_of(project)
-    versions = {v.version: v.run_id for v in client.search_model_versions("name = 'mnist-small'")}
-    aliases = {mode: client.get_model_version_by_alias("mnist-small", mode).version for mode in ("single", "ddp")}
-    assert len(versions) == 2
-
-    single = parent_of(project, "single")
-    proc = reproduce(project, single)
-    assert proc.returncode == 0 and verdict(proc).startswith("reproduce: reproduced bit for bit"), verdict(proc)
-    assert {v.version: v.run_id for v in client.search_model_versions("name = 'mnist-small'")} == versions
-    assert {mode: client.get_model_version_by_alias("mnist-small", mode).version for mode in aliases} == aliases
-
+    client = client_of(trained)
     for mode, signum, code in (("ddp", signal.SIGTERM, 143), ("single", signal.SIGINT, 130)):
-        original = parent_of(project, mode)
+        original = parent_of(trained, mode)
         started = len(runs_reproducing(client, original))
-        with subprocess.Popen(["mnist-pipeline", "reproduce", original], cwd=project, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=subprocess_env(**project_env(project))) as proc:
+        env = subprocess_env(**project_env(trained, MNIST_PIPELINE_STEP_PAUSE_S="0.5"))
+        with subprocess.Popen(["mnist-pipeline", "reproduce", original], cwd=trained, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) as proc:
             for line in proc.stdout:
                 if line.startswith(f"reproduce: training {mode} as run"):
                     break
@@ -425,7 +428,7 @@ def test_a_reproduction_leaves_the_registry_alone_and_stops_with_its_training(tm
         assert proc.returncode == code, stderr[-3000:]
         assert f"reproduce: stopped ({signal.Signals(signum).name})" in stderr, stderr[-3000:]
         assert not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], family
-        assert not list((project / ".dvc" / "tmp").glob("reproduce-*"))
+        assert not list((trained / ".dvc" / "tmp").glob("reproduce-*"))
         stopped = runs_reproducing(client, original)[: 3 if mode == "ddp" else 1]
         assert {r.info.status for r in stopped} == {"FAILED"}, [(r.info.run_name, r.info.status) for r in stopped]
 

@@ -205,7 +205,7 @@ def test_resume_after_a_code_edit_is_refused_and_an_edit_during_training_is_not_
 
     from tests.conftest import make_project, prepare, project_env, subprocess_env
 
-    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 40}})
+    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 4}})
     prepare(project, mnist_dir)
     crashed = train_cli(project, "single", check=False, MNIST_PIPELINE_CRASH_AFTER_EPOCH="1")
     assert crashed.returncode == 75
@@ -219,13 +219,16 @@ def test_resume_after_a_code_edit_is_refused_and_an_edit_during_training_is_not_
 
     from mlflow import MlflowClient
 
-    for mode in ("single", "ddp"):  # trained here, and by DDP's workers (forks of its fork server)
+    # Trained here, and by DDP's workers (forks of its fork server). Each step pauses (the loop's test
+    # hook), so the epochs after the second last 4 s: the edit is saved while the training runs.
+    for mode in ("single", "ddp"):
         with subprocess.Popen(["mnist-pipeline", "train", "--mode", mode], cwd=project, stderr=subprocess.PIPE,
-                              text=True, env=subprocess_env(**project_env(project))) as proc:
+                              text=True, env=subprocess_env(**project_env(project, MNIST_PIPELINE_STEP_PAUSE_S="0.2"))
+                              ) as proc:
             lines = []
             for line in proc.stderr:
                 lines.append(line)
-                if f"{mode} epoch 2/40" in line:  # training: save a file of the code
+                if f"{mode} epoch 2/4" in line:  # training: save a file of the code
                     report.write_text(report.read_text() + "# another edit\n")
             proc.wait(timeout=300)
         output = "".join(lines)
