@@ -20,13 +20,14 @@ MODEL_FILE = "model.pt"
 # The settings that shape the trajectory: resuming under other values would not end where an
 # uninterrupted run ends, so it is refused. (nproc may change: DDP sees the same global batches.
 # bf16 changes every step's rounding; deterministic decides whether the bits repeat at all.)
-# (grad_accum_steps sums each step's gradient in other parts: other rounding.)
+# (grad_accum_steps sums each step's gradient in other parts: other rounding. fp16 rounds otherwise
+# and skips the steps whose gradients overflowed.)
 TRAJECTORY_KEYS = ("model", "epochs", "batch_size", "optimizer", "schedule", "lr", "momentum", "weight_decay",
-                   "max_grad_norm", "grad_accum_steps", "label_smoothing", "seed", "bf16", "deterministic")
-# What a checkpoint saved before the optimizer, the schedule, clipping and accumulation were settings
-# trained with.
+                   "max_grad_norm", "grad_accum_steps", "label_smoothing", "seed", "bf16", "fp16", "deterministic")
+# What a checkpoint saved before the optimizer, the schedule, clipping, accumulation and fp16 were
+# settings trained with.
 TRAJECTORY_BEFORE = {"optimizer": "adam", "schedule": "onecycle", "momentum": None, "max_grad_norm": 0.0,
-                     "grad_accum_steps": 1}
+                     "grad_accum_steps": 1, "fp16": False}
 
 
 def trajectory(config: TrainConfig, mode: str) -> dict[str, Any]:

@@ -110,6 +110,9 @@ class TrainConfig:
     device: str = field(default="auto", metadata=_rule(lambda v: v in DEVICES, f"one of {DEVICES}"))
     # CUDA only: bf16 autocast (false: full float32, TF32 off too) and channels_last memory format.
     bf16: bool = True
+    # fp16 autocast with a loss scaler, in place of bf16, on any device: for GPUs without native
+    # bf16 (V100, T4). On the CPU it trains, slowly; it is there to be tested.
+    fp16: bool = False
     channels_last: bool = True
     # Deterministic algorithms (cuDNN, cuBLAS, torch): identical runs and resumes give the same
     # bits on GPUs too, at some speed there; the CPU's ops are deterministic either way.

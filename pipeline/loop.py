@@ -22,6 +22,7 @@ import resource
 import signal
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,7 +52,7 @@ from pipeline.parallel import (
     unwrap,
     wrap,
 )
-from pipeline.precision import autocast_dtype, with_autocast
+from pipeline.precision import autocast_dtype, grad_scaler, with_autocast
 from pipeline.preemption import Notice, say_stopped
 from pipeline.prepared import Split
 
@@ -164,7 +165,7 @@ def build(config: TrainConfig, steps: int, device: torch.device):
 
 def wrap_for_mode(model: nn.Module, config: TrainConfig, device: torch.device, mode: str) -> nn.Module:
     # Autocast inside the module that DataParallel replicates (see pipeline.precision).
-    return wrap(with_autocast(model, device, autocast_dtype(device, config.bf16)), mode, device)
+    return wrap(with_autocast(model, device, autocast_dtype(device, config.bf16, config.fp16)), mode, device)
 
 
 def settle_gradient_buckets(wrapped: nn.Module, data: DeviceSplit) -> None:
@@ -206,7 +207,8 @@ def micro_batches(share: torch.Tensor, count: int) -> list[torch.Tensor]:
 
 def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, global_batch: int,
               rank: Rank, probe: Probe, show_bar: bool, desc: str, label_smoothing: float, max_grad_norm: float = 0.0,
-              grad_accum_steps: int = 1, partial: dict | None = None, after_step: Callable | None = None):
+              grad_accum_steps: int = 1, partial: dict | None = None, after_step: Callable | None = None,
+              scaler: torch.amp.GradScaler | None = None):
     """One pass over this rank's shares of the epoch's global batches; returns (loss sum, correct
     count, each step's loss summed over this rank's share, the steps whose gradient was clipped)
     still on the device, as a .item() per step would sync every step, and each step's share length
@@ -224,7 +226,12 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
 
     `partial`: this rank's part of a mid-epoch checkpoint (its sums over the steps before it), from
     which the epoch goes on at step `partial["step"]`. `after_step(i, loss_sum, correct, clipped,
-    losses, shares)` runs after each step i (0-based), to checkpoint."""
+    losses, shares)` runs after each step i (0-based), to checkpoint.
+
+    `scaler` (train.fp16: precision.grad_scaler) scales each micro-batch's loss before its backward
+    and unscales the gradient before clipping; its step skips an optimizer step whose gradient
+    overflowed (DDP's ranks hold the same all-reduced gradient, so all skip it alike). The schedule
+    steps either way: it counts steps, not updates."""
     device = data.labels.device
     batches = global_batches(order, global_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
@@ -258,14 +265,25 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
                     optimizer.zero_grad(set_to_none=True)
                 if last:
                     probe.phase("backward")
-                loss.backward()
+                (loss if scaler is None else scaler.scale(loss)).backward()
             step_losses = sample_losses if step_losses is None else step_losses + sample_losses
             correct += (logits.detach().argmax(1) == labels).sum()
         probe.phase("optimizer")
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # the true gradient, for clipping (an overflow leaves inf: not stepped)
         if max_grad_norm:  # torch scales the gradient where norm + 1e-6 > max_grad_norm: counted alike
-            clipped += torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm) + 1e-6 > max_grad_norm
-        optimizer.step()
-        scheduler.step()
+            norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm)
+            # (fp16's overflowed step has an infinite norm: skipped, not clipped)
+            clipped += norm + 1e-6 > max_grad_norm if scaler is None else (norm + 1e-6 > max_grad_norm) & norm.isfinite()
+        if scaler is None:
+            optimizer.step()
+            scheduler.step()
+        else:
+            scaler.step(optimizer)  # reads the overflow flag: one wait for the device a step, fp16's only
+            scaler.update()
+            with warnings.catch_warnings():  # a skipped first step steps the schedule before the optimizer
+                warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
+                scheduler.step()
         probe.end_step()
         loss_sum += step_losses
         losses[i] = step_losses
@@ -312,6 +330,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
     check_world_size(config.batch_size, rank.world_size, config.grad_accum_steps)
     steps = steps_per_epoch(len(train_split), config.batch_size)
     model, optimizer, scheduler = build(config, config.epochs * steps, device)
+    scaler = grad_scaler(device, config.fp16)
     checkpoint_path = run.out_dir / CHECKPOINT_FILE
 
     start_epoch, history, partial = 0, [], None
@@ -323,6 +342,8 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        if scaler is not None:  # fp16 is a trajectory key: its checkpoints hold the scale
+            scaler.load_state_dict(state["scaler"])
         start_epoch, history = state["epoch"], state["history"]
         partial = in_epoch_part(state, rank, run.out_dir / CHECKPOINT_FILE)
     wrapped = wrap_for_mode(model, config, device, run.mode)
@@ -368,8 +389,8 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
                 wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
                 probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
                 label_smoothing=config.label_smoothing, max_grad_norm=config.max_grad_norm,
-                grad_accum_steps=config.grad_accum_steps, partial=resumed,
-                after_step=step_checkpoints(run, model, optimizer, scheduler, history, epoch, steps,
+                grad_accum_steps=config.grad_accum_steps, partial=resumed, scaler=scaler,
+                after_step=step_checkpoints(run, model, optimizer, scheduler, scaler, history, epoch, steps,
                                             lambda: rng_states(rng_devices), started - carried_s, notice))
             train_wall = time.perf_counter() - started + carried_s
             host_record = host.finish()
@@ -429,6 +450,8 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
                                              first_step),
                 "rank_weight_checksums": list(checksums),
             }
+            if scaler is not None:  # fp16's loss scale at the epoch's end: halved by each overflow
+                metrics["loss_scale"] = scaler.get_scale()
             if breakdown is not None:  # every rank's, on every rank
                 metrics["breakdown"] = list(breakdowns)
             if resumed is not None:  # its times add the steps before the resume (each rank's own) to those after
@@ -452,14 +475,14 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             if rank.is_main:
                 report_epoch(run.mode, config.epochs, metrics)
                 save_torch(checkpoint_path,
-                           checkpoint_state(model, optimizer, scheduler, epoch + 1, history, config, run))
+                           checkpoint_state(model, optimizer, scheduler, scaler, epoch + 1, history, config, run))
             for hook in run.epoch_hooks:
                 hook(metrics, rank_metrics)
             crash_if_asked(epoch + 1)
     return model, history
 
 
-def step_checkpoints(run: Training, model: nn.Module, optimizer, scheduler, history: list[dict], epoch: int,
+def step_checkpoints(run: Training, model: nn.Module, optimizer, scheduler, scaler, history: list[dict], epoch: int,
                      steps: int, rng: Callable[[], dict], started: float, notice: Notice | None) -> Callable | None:
     """run_epoch's `after_step` under train.checkpoint_every_steps (None when 0): every N global steps
     but an epoch's last (its own checkpoint follows), and after the step every rank agreed to stop at
@@ -477,7 +500,7 @@ def step_checkpoints(run: Training, model: nn.Module, optimizer, scheduler, hist
         parts = all_gather_objects(in_epoch_sums(i + 1, *sums, rng=rng(), wall_s=time.perf_counter() - started), rank)
         if rank.is_main:
             save_torch(run.out_dir / CHECKPOINT_FILE,
-                       {**checkpoint_state(model, optimizer, scheduler, epoch, history, run.config, run),
+                       {**checkpoint_state(model, optimizer, scheduler, scaler, epoch, history, run.config, run),
                         "in_epoch": {"world_size": rank.world_size, "ranks": parts}})
         broadcast_object(None, rank)  # no rank steps on (or is stopped) before the file is whole
         if stop:  # ends as the signal would have ended it, but a step later, with nothing lost
@@ -492,12 +515,13 @@ def step_checkpoints(run: Training, model: nn.Module, optimizer, scheduler, hist
     return after_step
 
 
-def checkpoint_state(model: nn.Module, optimizer, scheduler, epochs_done: int, history: list[dict],
+def checkpoint_state(model: nn.Module, optimizer, scheduler, scaler, epochs_done: int, history: list[dict],
                      config: TrainConfig, run: Training) -> dict[str, Any]:
     return {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
+        **({"scaler": scaler.state_dict()} if scaler is not None else {}),
         "epoch": epochs_done,
         "history": history,
         "trajectory": trajectory(config, run.mode),

@@ -13,9 +13,12 @@ import torch
 from torch import nn
 
 
-def autocast_dtype(device: torch.device, bf16: bool) -> torch.dtype | None:
-    """bfloat16 on a GPU that computes it natively (Ampere or newer) when asked; else full float32.
+def autocast_dtype(device: torch.device, bf16: bool, fp16: bool = False) -> torch.dtype | None:
+    """float16 wherever it is asked for (`train.fp16`, with a gradient scaler: grad_scaler); else
+    bfloat16 on a GPU that computes it natively (Ampere or newer) when asked; else full float32.
     An emulated bf16 (older GPUs) is slower than float32, so it is never chosen."""
+    if fp16:
+        return torch.float16
     if device.type == "cuda" and bf16 and torch.cuda.is_bf16_supported(including_emulation=False):
         return torch.bfloat16
     return None
@@ -34,6 +37,16 @@ class AutocastForward(nn.Module):
     def forward(self, *args, **kwargs):
         with torch.autocast(self.device_type, dtype=self.dtype):
             return self.module(*args, **kwargs)
+
+
+def grad_scaler(device: torch.device, fp16: bool) -> torch.amp.GradScaler | None:
+    """fp16's loss scaler (None without `train.fp16`). float16 ends at 65504 and loses gradients
+    below about 6e-8 to zero, so the loss is multiplied up before the backward and the gradients
+    divided back before clipping and the step; a step whose gradients overflowed is skipped and the
+    scale halved, and after 2000 clean steps it doubles (torch.amp.GradScaler's defaults). bf16 has
+    float32's range and needs none. The scale is state: checkpoints carry it, so a resume goes on
+    with the scale the uninterrupted training had."""
+    return torch.amp.GradScaler(device.type) if fp16 else None
 
 
 def float32_means_float32() -> None:

@@ -198,6 +198,8 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
         val_split = to_device(data.splits["val"], data.mean, data.std, device, channels_last)
         log.info("%s: %d process(es) on %s, global batch %d", mode, rank.world_size,
                  parallel.device_name(device), config.train.batch_size)
+        if config.train.fp16:
+            log.info("%s: fp16 autocast with a loss scaler (train.fp16, in place of train.bf16)", mode)
 
         params = {**flatten(config), "world_size": rank.world_size,
                   "batch_shares": batch_shares_label(config.train.batch_size, mode, rank, device)}
