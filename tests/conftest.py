@@ -250,10 +250,6 @@ SMALL = {"data": {"train_limit": 1100, "val_size": 100},
          "evaluate": {"min_test_accuracy": 0.5}}  # about 80% after 20 steps on 1000 images
 
 
-# The loop's test hook (pipeline/loop.py: pause_if_asked) for a training a test kills or signals
-# while it runs: each step pauses, so the training lasts without taking the CPU other tests need.
-IDLING = {"MNIST_PIPELINE_STEP_PAUSE_S": "0.05"}
-
 _PREPARED: dict[tuple[str, str], Path] = {}  # (data settings, source) -> what prepare wrote for them
 
 

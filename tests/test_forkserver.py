@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from stages.cli import launches_local_workers
-from tests.conftest import (IDLING, REFUSE_CUDA, ROOT, SMALL, ddp_worker_pids, make_project, prepare, project_env, run,
+from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, ddp_worker_pids, make_project, prepare, project_env, run,
                             subprocess_env)
 
 
@@ -65,7 +65,7 @@ def test_ddp_workers_are_forks_of_the_preloaded_server(tmp_path, mnist_dir):
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 500}})
     prepare(project, mnist_dir)
     launcher = subprocess.Popen(["mnist-pipeline", "train", "--mode", "ddp"], cwd=project, text=True,
-                                env=subprocess_env(**project_env(project, **IDLING)), stdout=subprocess.PIPE,
+                                env=subprocess_env(**project_env(project)), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE)
     try:
         deadline, workers = time.monotonic() + 180, {}

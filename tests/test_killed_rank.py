@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from mlflow import MlflowClient
 
-from tests.conftest import (IDLING, SMALL, ddp_worker_pids, first_epoch_run, make_project, prepare, project_env, run,
+from tests.conftest import (SMALL, ddp_worker_pids, first_epoch_run, make_project, prepare, project_env, run,
                             subprocess_env)
 
 
@@ -18,8 +18,7 @@ def test_every_run_ends_failed_when_a_rank_is_killed(tmp_path, mnist_dir, victim
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 500}})
     prepare(project, mnist_dir)
     proc = subprocess.Popen(["mnist-pipeline", "train", "--mode", "ddp"], cwd=project, text=True,
-                            env=subprocess_env(**project_env(project, **IDLING)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            env=subprocess_env(**project_env(project)), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         parent = first_epoch_run(project, "ddp", proc)
         if parent is None:
@@ -48,8 +47,8 @@ def test_a_killed_fork_server_takes_its_workers_with_it(tmp_path, mnist_dir, sig
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 500}})
     prepare(project, mnist_dir)
     proc = subprocess.Popen(["mnist-pipeline", "train", "--mode", "ddp"], cwd=project, text=True,
-                            env=subprocess_env(**project_env(project, **IDLING)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, preexec_fn=ignore)
+                            env=subprocess_env(**project_env(project)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=ignore)
     workers = []
     try:
         parent = first_epoch_run(project, "ddp", proc)

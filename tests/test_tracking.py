@@ -15,7 +15,7 @@ from mlflow import MlflowClient
 from pipeline import record
 from pipeline.model import build_model
 from pipeline.tracking.model import load_model
-from tests.conftest import (IDLING, SMALL, first_epoch_run, free_port, make_project, prepare, project_env, run,
+from tests.conftest import (SMALL, first_epoch_run, free_port, make_project, prepare, project_env, run,
                             subprocess_env)
 
 PARENT_METRICS = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "epoch_time_s")
@@ -148,7 +148,7 @@ def test_tracking_can_be_turned_off(sqlite_project, tmp_path):
 def test_killed_training_ends_failed(tmp_path, mnist_dir, mode):
     project = project_with(tmp_path, mnist_dir, "killed", train={"epochs": 200, "nproc": 2})
     proc = subprocess.Popen(["mnist-pipeline", "train", "--mode", mode], cwd=project, text=True,
-                            env=subprocess_env(**project_env(project, **IDLING)), stdout=subprocess.PIPE,
+                            env=subprocess_env(**project_env(project)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     parent = first_epoch_run(project, mode, proc, timeout=120)
     if parent is None:  # still running, or ended: its output either way
