@@ -248,6 +248,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
         shares = list(partial["shares"])
     # Only DDP communicates in the backward; DataParallel and one device have nothing to hold back.
     hold_back = wrapped.no_sync if isinstance(wrapped, nn.parallel.DistributedDataParallel) else nullcontext
+    pause = pause_asked()
     wrapped.train()
     for i, batch in enumerate(tqdm(batches[start:], desc=desc, disable=not show_bar, leave=False, initial=start,
                                    total=len(batches)), start):
@@ -273,8 +274,10 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
             scaler.unscale_(optimizer)  # the true gradient, for clipping (an overflow leaves inf: not stepped)
         if max_grad_norm:  # torch scales the gradient where norm + 1e-6 > max_grad_norm: counted alike
             norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm)
-            # (fp16's overflowed step has an infinite norm: skipped, not clipped)
-            clipped += norm + 1e-6 > max_grad_norm if scaler is None else (norm + 1e-6 > max_grad_norm) & norm.isfinite()
+            over = norm + 1e-6 > max_grad_norm
+            if scaler is not None:  # fp16's overflowed step has an infinite norm: skipped, not clipped
+                over &= norm.isfinite()
+            clipped += over
         if scaler is None:
             optimizer.step()
             scheduler.step()
@@ -290,7 +293,8 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
         shares.append(len(idx))
         if after_step is not None:
             after_step(i, loss_sum, correct, clipped, losses, shares)
-        pause_if_asked()
+        if pause:
+            time.sleep(pause)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the epoch's time must include its queued kernels
     return loss_sum, correct, losses, clipped, shares
@@ -592,13 +596,11 @@ def crash_if_asked(count: int, unit: str = "EPOCH") -> None:
         os._exit(75)
 
 
-def pause_if_asked() -> None:
-    """Test hook: MNIST_PIPELINE_STEP_PAUSE_S=S sleeps S seconds after each step, so a test that
-    acts on a training while it runs (a kill, a signal, an edit) has one that lasts, idle, instead
-    of many epochs that take the CPU the suite's other tests need (docs/testing.md, #52)."""
-    pause = os.environ.get("MNIST_PIPELINE_STEP_PAUSE_S")
-    if pause:
-        time.sleep(float(pause))
+def pause_asked() -> float:
+    """Test hook: MNIST_PIPELINE_STEP_PAUSE_S=S, seconds run_epoch sleeps after each step, so a test
+    that acts on a training while it runs (an edit, a stop) has one that lasts, idle, instead of
+    many epochs that take the CPU the suite's other tests need (docs/testing.md, #52)."""
+    return float(os.environ.get("MNIST_PIPELINE_STEP_PAUSE_S") or 0)
 
 
 def report_epoch(mode: str, epochs: int, m: dict) -> None:

@@ -1,5 +1,6 @@
 """DDP ranks in real processes over gloo, running the pipeline's own loop (only the launcher is
-left out), on small synthetic data that a model can learn."""
+left out), on small synthetic data that a model can learn; and a training stopped in-process after
+its first epoch, to resume from its checkpoint."""
 
 from __future__ import annotations
 
@@ -60,3 +61,19 @@ def train_each(r: int, world: int, configs: list[TrainConfig], train_split: Devi
         model, history = train(run, train_split, val_split)
         if r == 0:
             torch.save({"weights": model.state_dict(), "history": history}, out / f"{i}.pt")
+
+
+class Interrupted(Exception):
+    pass
+
+
+def stop_after_first_epoch(metrics: dict, _rank_metrics: dict) -> None:
+    """An epoch hook: the training stops once its first epoch's checkpoint is written, as a
+    preemption then would, losing nothing."""
+    if metrics["epoch"] == 1:
+        raise Interrupted
+
+
+def equal(a: dict, b: dict) -> bool:
+    """Two state dicts hold the same tensors, bit for bit."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

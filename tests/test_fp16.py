@@ -17,19 +17,11 @@ from pipeline.loop import Training, train
 from pipeline.parallel import Rank
 from pipeline.precision import autocast_dtype, grad_scaler
 from tests.conftest import relative_difference
-from tests.ddp_harness import learnable_data, run_ranks, train_config, train_each
+from tests.ddp_harness import (Interrupted, equal, learnable_data, run_ranks, stop_after_first_epoch,
+                               train_config, train_each)
 
 CPU = torch.device("cpu")
 FRESH_SCALE = 65536.0  # GradScaler's first scale
-
-
-class Interrupted(Exception):
-    pass
-
-
-def stop_after_first_epoch(metrics: dict, _rank_metrics: dict) -> None:
-    if metrics["epoch"] == 1:  # its checkpoint is written
-        raise Interrupted
 
 
 def fp16_config(lr: float) -> TrainConfig:
@@ -42,10 +34,6 @@ def folder(tmp_path, name: str):
     path = tmp_path / name
     path.mkdir()
     return path
-
-
-def equal(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.fast

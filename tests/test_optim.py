@@ -19,7 +19,8 @@ from pipeline.model import build_model
 from pipeline.optim import build_optimizer, build_schedule
 from pipeline.parallel import Rank
 from tests.conftest import relative_difference
-from tests.ddp_harness import learnable_data, run_ranks, train_config, train_each
+from tests.ddp_harness import (Interrupted, equal, learnable_data, run_ranks, stop_after_first_epoch,
+                               train_config, train_each)
 
 # The non-default choices trained below: each optimizer and each schedule at least once, and
 # clipping (train.max_grad_norm) on one of them.
@@ -65,10 +66,6 @@ def trained(model: torch.nn.Module, optimizer, scheduler, steps: int = 30) -> di
         optimizer.step()
         scheduler.step()
     return model.state_dict()
-
-
-def equal(a: dict, b: dict) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.values(), b.values()))
 
 
 @pytest.mark.fast
@@ -165,15 +162,6 @@ def test_resume_refuses_a_schedule_of_another_length_before_changing_anything(tm
     with pytest.raises(PipelineError, match=r"its schedule spans 7 steps and this training 20 "):
         pick_up(config, "single", project / "data" / "prepared", asked=True)
     assert sorted(path.name for path in out.iterdir()) == [CHECKPOINT_FILE]
-
-
-class Interrupted(Exception):
-    pass
-
-
-def stop_after_first_epoch(metrics: dict, _rank_metrics: dict) -> None:
-    if metrics["epoch"] == 1:  # its checkpoint is written: a preemption now loses nothing
-        raise Interrupted
 
 
 def test_other_choices_train_the_same_in_ddp_and_resume_bit_for_bit(tmp_path):
