@@ -6,7 +6,9 @@ for the same number of steps from a cold start, on the same slice of real MNIST:
 - conventional: torchvision's MNIST dataset, ToTensor + Normalize per sample, a DataLoader
   (num_workers=0: on a small CPU box workers only compete with training for the cores), and a
   DistributedSampler under DDP;
-- ours: `pipeline.loop.train`, the code the train stage runs.
+- ours: `pipeline.loop.train`, the code the train stage runs, with the data on the device (train.loader:
+  memory) and read from the prepared file by a DataLoader (dataloader, train.loader_workers workers a
+  process, or --loader-workers).
 
 Each runs as single (1 process x all cores) and ddp (N gloo processes x 1 thread), then the
 default training runs in full and its test accuracy is measured, for time-to-accuracy.
@@ -26,6 +28,7 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,9 +39,10 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline import malloc, mnist, parallel  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
+from pipeline.batches import Loaded  # noqa: E402
 from pipeline.loop import Training, evaluate, to_device, train  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
-from pipeline.prepared import Split  # noqa: E402
+from pipeline.prepared import OnDisk, Split, normalised  # noqa: E402
 
 import mnist_data  # noqa: E402  (benchmarks/, this script's folder)
 
@@ -93,6 +97,17 @@ def ours(rank: parallel.Rank, config, train_split: Split, val_split: Split, mean
     return history[-1]["samples_per_s"]
 
 
+def ours_loaded(rank: parallel.Rank, config, data_dir: Path, mean: float, std: float, out: Path) -> float:
+    device = torch.device("cpu")
+    run = Training(replace(config, epochs=1, loader="dataloader"), "ddp" if rank.world_size > 1 else "single", rank,
+                   device, out)
+    train_data, val_data = (Loaded(OnDisk(data_dir, name), device, config.loader_workers,
+                                   on_device=partial(normalised, mean=mean, std=std)) for name in ("train", "val"))
+    _, history = train(run, train_data, val_data)
+    train_data.close(), val_data.close()
+    return history[-1]["samples_per_s"]
+
+
 def full_default_run(rank: parallel.Rank, config, splits: dict[str, Split], mean: float, std: float,
                      out: Path) -> tuple[float, float]:
     device = torch.device("cpu")
@@ -110,7 +125,7 @@ def worker(local_rank: int, world_size: int, port: int, job: str, args: tuple, r
     rank = parallel.rank_from_env()
     malloc.keep_freed_memory()  # as in every mnist-pipeline process (stages/cli.py), for both loops alike
     torch.set_num_threads(max(1, parallel.available_cpus() // world_size))
-    job_fn = {"conventional": conventional, "ours": ours, "full": full_default_run}[job]
+    job_fn = {"conventional": conventional, "ours": ours, "ours_loaded": ours_loaded, "full": full_default_run}[job]
     if world_size == 1:
         results.put(job_fn(rank, *args))
         return
@@ -137,8 +152,12 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="DDP processes (1 thread each)")
     parser.add_argument("--repeats", type=int, default=3, help="measurements per setup; the median counts")
     parser.add_argument("--params", default=str(ROOT / "params.yaml"))
+    parser.add_argument("--loader-workers", type=int, help="DataLoader workers a process (default: params.yaml's)")
+    parser.add_argument("--no-full", action="store_true", help="throughput only, not the default training")
     args = parser.parse_args()
     config = load_config(args.params)
+    if args.loader_workers is not None:
+        config = replace(config, train=replace(config.train, loader_workers=args.loader_workers))
     data, mean, std = mnist_data.splits(config.data)
     train_split, val_split, test = data["train"], data["val"], data["test"]
     n = args.steps * config.train.batch_size
@@ -149,27 +168,38 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         root = torchvision_root(mnist_data.source(), tmp / "torchvision")
+        prepared = tmp / "prepared"  # the same slices as `prepare` writes them, for the DataLoader to read
+        prepared.mkdir()
+        for name, split in (("train", bench_train), ("val", tiny_val)):
+            torch.save({"images": split.images.contiguous(), "labels": split.labels}, prepared / f"{name}.pt")
         rows = []
         for label, world in ((f"single (1x{cpus})", 1), (f"ddp ({args.ranks}x1)", args.ranks)):
-            conv, our = [], []
-            for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits both
+            conv, our, loaded = [], [], []
+            for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits all three
                 conv.append(measure("conventional", world, config.train, root, args.steps, mean, std))
                 our.append(measure("ours", world, config.train, bench_train, tiny_val, mean, std,
                                    tmp / f"ours-{world}"))
-            rows.append((label, statistics.median(conv), statistics.median(our)))
+                loaded.append(measure("ours_loaded", world, config.train, prepared, mean, std,
+                                      tmp / f"loaded-{world}"))
+            rows.append((label, statistics.median(conv), statistics.median(our), statistics.median(loaded)))
         full = {}
         for label, world in ((f"single (1x{cpus})", 1), (f"ddp ({args.ranks}x1)", args.ranks)):
+            if args.no_full:
+                break
             full[label] = measure("full", world, config.train, {"train": train_split, "val": val_split, "test": test},
                                   mean, std, tmp / f"full-{world}")
 
     print(f"\nTraining throughput, samples/s (median of {args.repeats} x {args.steps} steps, global batch "
           f"{config.train.batch_size}, model {config.train.model}, {cpus} CPU cores)\n")
-    print("| setup | conventional | ours | ours / conventional |")
-    print("|---|---:|---:|---:|")
-    for label, conv, our in rows:
-        print(f"| {label} | {conv:,.0f} | {our:,.0f} | {our / conv:.2f}x |")
+    print(f"| setup | conventional | ours | ours, DataLoader ({config.train.loader_workers} workers) | "
+          "ours / conventional | DataLoader / conventional |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, conv, our, loaded in rows:
+        print(f"| {label} | {conv:,.0f} | {our:,.0f} | {loaded:,.0f} | {our / conv:.2f}x | {loaded / conv:.2f}x |")
     single_ours, ddp_ours = rows[0][2], rows[1][2]
     print(f"\nddp / single, our loop: {ddp_ours / single_ours:.2f}x")
+    if not full:
+        return
     print(f"\nDefault training ({config.train.epochs} epochs, params.yaml), then the 10,000 test images:\n")
     print("| setup | training time, s | test accuracy |")
     print("|---|---:|---:|")

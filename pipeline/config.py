@@ -24,6 +24,7 @@ LAUNCHERS = ("local", "slurm")
 DEVICES = ("auto", "cuda", "cpu")
 OPTIMIZERS = ("adam", "adamw", "sgd")  # built by pipeline.optim
 SCHEDULES = ("onecycle", "cosine", "constant")
+LOADERS = ("memory", "dataloader")  # pipeline.batches
 MNIST_TRAIN_SIZE = 60_000
 
 
@@ -118,6 +119,13 @@ class TrainConfig:
     # bits on GPUs too, at some speed there; the CPU's ops are deterministic either way.
     deterministic: bool = True
     eval_batch_size: int = field(default=2000, metadata=_at_least(1))
+    # Where each step's samples come from (pipeline.batches): "memory", the whole split on the device,
+    # gathered by index (the fastest, for data that fits), or "dataloader", a torch DataLoader reading
+    # each rank's samples from the prepared files as the steps need them. Every mode sees the same
+    # global batches either way: the same weights, bit for bit.
+    loader: str = field(default="memory", metadata=_rule(lambda v: v in LOADERS, f"one of {LOADERS}"))
+    # dataloader: its worker processes on each rank (0: read in the training process itself).
+    loader_workers: int = field(default=2, metadata=_at_least(0))
     # Steps of each epoch left out of the steady-state throughput (samples/s after the warm-up),
     # which the report's speed-ups use; the whole-epoch figure stands beside it.
     throughput_warmup_steps: int = field(default=10, metadata=_at_least(0))

@@ -1,7 +1,8 @@
 """One training loop for every mode.
 
 The data lives on the device as one normalised tensor and batches are gathered by index, so a
-step does no per-sample Python work.
+step does no per-sample Python work; or (train.loader: dataloader) a DataLoader reads the same
+samples from disk as the steps need them (pipeline.batches).
 
 Every mode walks the same global batches: a permutation seeded by (seed + epoch), as
 DistributedSampler's `set_epoch` seeds it, cut into batches of `batch_size` (the last one shorter).
@@ -26,7 +27,7 @@ import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -54,23 +55,41 @@ from pipeline.parallel import (
 )
 from pipeline.precision import autocast_dtype, grad_scaler, with_autocast
 from pipeline.preemption import Notice, say_stopped
-from pipeline.prepared import Split
+from pipeline.prepared import Split, normalised
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class DeviceSplit:
+    """A split in memory, on the device: the loop's data (batches.Loaded reads it from disk instead)."""
+
     images: torch.Tensor  # float32 [N, 1, 28, 28], normalised, on the device
     labels: torch.Tensor  # int64 [N], on the device
 
     def __len__(self) -> int:
         return len(self.labels)
 
+    @property
+    def index_device(self) -> torch.device:  # where the indices that gather a batch go
+        return self.labels.device
+
+    def sample_input(self) -> torch.Tensor:
+        return self.images[:1]
+
+    def feed(self, parts: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(inputs, targets) of each list of indices in turn, gathered as each is asked for."""
+        for idx in parts:
+            yield self.images[idx], self.labels[idx]
+
+
+# What the loop trains on: a DeviceSplit or a batches.Loaded, which answer alike.
+Data = Any
+
 
 def to_device(split: Split, mean: float, std: float, device: torch.device, channels_last: bool = False) -> DeviceSplit:
     """Move uint8 images once, then normalise on the device (4x less to copy than floats)."""
-    images = split.images.to(device, non_blocking=True).unsqueeze(1).float().div_(255).sub_(mean).div_(std)
+    images = normalised(split.images.to(device, non_blocking=True), mean, std)
     if channels_last:
         images = images.contiguous(memory_format=torch.channels_last)
     return DeviceSplit(images, split.labels.to(device, non_blocking=True))
@@ -110,17 +129,18 @@ def weight_checksum(module: nn.Module) -> float:
 
 
 @torch.no_grad()
-def evaluate(module: nn.Module, data: DeviceSplit, indices: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """Sums of (loss, correct, count) over `indices`, as one tensor ready for all_reduce."""
+def evaluate(module: nn.Module, data: Data, indices: torch.Tensor, batch_size: int,
+             device: torch.device | None = None) -> torch.Tensor:
+    """Sums of (loss, correct, count) over `indices`, as one tensor ready for all_reduce, on `device`
+    (by default the in-memory data's)."""
     was_training = module.training
     module.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=data.labels.device)
-    for idx in indices.to(data.labels.device).split(batch_size):
-        logits = module(data.images[idx])
-        labels = data.labels[idx]
+    sums = torch.zeros(3, dtype=torch.float64, device=device or data.index_device)
+    for images, labels in data.feed(indices.to(data.index_device).split(batch_size)):
+        logits = module(images)
         sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         sums[1] += (logits.argmax(1) == labels).sum()
-        sums[2] += len(idx)
+        sums[2] += len(labels)
     module.train(was_training)
     return sums
 
@@ -168,7 +188,7 @@ def wrap_for_mode(model: nn.Module, config: TrainConfig, device: torch.device, m
     return wrap(with_autocast(model, device, autocast_dtype(device, config.bf16, config.fp16)), mode, device)
 
 
-def settle_gradient_buckets(wrapped: nn.Module, data: DeviceSplit) -> None:
+def settle_gradient_buckets(wrapped: nn.Module, data: Data) -> None:
     """Let DDP lay out its gradient buckets for good before the first real step.
 
     DDP reduces the first backward's gradients in parameter order, then lays the bucket out anew
@@ -178,7 +198,7 @@ def settle_gradient_buckets(wrapped: nn.Module, data: DeviceSplit) -> None:
     step in the first layout where the uninterrupted run used the second, and end a few ulps off.
     One backward of a zero loss (zero gradients, all-reduced, no optimizer step) makes every run,
     fresh or resumed, train every step in the same layout."""
-    (wrapped(data.images[:1]).float().sum() * 0).backward()
+    (wrapped(data.sample_input()).float().sum() * 0).backward()
     wrapped.zero_grad(set_to_none=True)
 
 
@@ -205,10 +225,10 @@ def micro_batches(share: torch.Tensor, count: int) -> list[torch.Tensor]:
     return [part for part in parts[:-1] if len(part)] + [parts[-1]]
 
 
-def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order: torch.Tensor, global_batch: int,
+def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch.Tensor, global_batch: int,
               rank: Rank, probe: Probe, show_bar: bool, desc: str, label_smoothing: float, max_grad_norm: float = 0.0,
               grad_accum_steps: int = 1, partial: dict | None = None, after_step: Callable | None = None,
-              scaler: torch.amp.GradScaler | None = None):
+              scaler: torch.amp.GradScaler | None = None, device: torch.device | None = None):
     """One pass over this rank's shares of the epoch's global batches; returns (loss sum, correct
     count, each step's loss summed over this rank's share, the steps whose gradient was clipped)
     still on the device, as a .item() per step would sync every step, and each step's share length
@@ -231,8 +251,10 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
     `scaler` (train.fp16: precision.grad_scaler) scales each micro-batch's loss before its backward
     and unscales the gradient before clipping; its step skips an optimizer step whose gradient
     overflowed (DDP's ranks hold the same all-reduced gradient, so all skip it alike). The schedule
-    steps either way: it counts steps, not updates."""
-    device = data.labels.device
+    steps either way: it counts steps, not updates.
+
+    `device`: where the model is (by default the in-memory data's); `order` is on data.index_device."""
+    device = device or data.index_device
     batches = global_batches(order, global_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     correct = torch.zeros((), dtype=torch.int64, device=device)
@@ -250,11 +272,13 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
     hold_back = wrapped.no_sync if isinstance(wrapped, nn.parallel.DistributedDataParallel) else nullcontext
     pause = pause_asked()
     wrapped.train()
-    for i, batch in enumerate(tqdm(batches[start:], desc=desc, disable=not show_bar, leave=False, initial=start,
-                                   total=len(batches)), start):
+    # Each step's micro-batches of this rank's share, all decided now: a DataLoader reads ahead.
+    step_parts = [micro_batches(rank_share(batch, rank), grad_accum_steps) for batch in batches[start:]]
+    feed = data.feed(part for parts in step_parts for part in parts)
+    for i, (batch, part_indices) in enumerate(tqdm(zip(batches[start:], step_parts), desc=desc, disable=not show_bar,
+                                                   leave=False, initial=start, total=len(batches)), start):
         probe.start_step(i)
-        idx = rank_share(batch, rank)
-        parts = [(data.images[part], data.labels[part]) for part in micro_batches(idx, grad_accum_steps)]
+        parts = [next(feed) for _ in part_indices]
         probe.phase("forward")
         step_losses = None  # the share's summed loss
         for j, (images, labels) in enumerate(parts):
@@ -290,7 +314,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: DeviceSplit, order
         probe.end_step()
         loss_sum += step_losses
         losses[i] = step_losses
-        shares.append(len(idx))
+        shares.append(sum(len(labels) for _, labels in parts))
         if after_step is not None:
             after_step(i, loss_sum, correct, clipped, losses, shares)
         if pause:
@@ -327,9 +351,10 @@ def check_finite(mode: str, epoch: int, loss_sum: torch.Tensor, losses: list[flo
         "then train again from scratch (the checkpoint holds the last finite epoch)")
 
 
-def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tuple[nn.Module, list[dict]]:
+def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module, list[dict]]:
     """Train, checkpoint every epoch (and every train.checkpoint_every_steps steps); return the
-    trained (unwrapped) model and per-epoch metrics."""
+    trained (unwrapped) model and per-epoch metrics. The splits: DeviceSplits on run.device, or
+    batches.Loaded that move each batch there."""
     config, rank, device = run.config, run.rank, run.device
     check_world_size(config.batch_size, rank.world_size, config.grad_accum_steps)
     steps = steps_per_epoch(len(train_split), config.batch_size)
@@ -377,7 +402,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             if resumed is not None:
                 set_rng_states(resumed["rng"], rng_devices)
             carried_s = resumed["wall_s"] if resumed else 0.0  # this rank's time in the epoch before the resume
-            order = epoch_order(len(train_split), epoch, config.seed).to(device)
+            order = epoch_order(len(train_split), epoch, config.seed).to(train_split.index_device)
             if device.type == "cuda":
                 for index in memory_devices:
                     torch.cuda.reset_peak_memory_stats(index)
@@ -393,7 +418,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
                 wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
                 probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
                 label_smoothing=config.label_smoothing, max_grad_norm=config.max_grad_norm,
-                grad_accum_steps=config.grad_accum_steps, partial=resumed, scaler=scaler,
+                grad_accum_steps=config.grad_accum_steps, partial=resumed, scaler=scaler, device=device,
                 after_step=step_checkpoints(run, model, optimizer, scheduler, scaler, history, epoch, steps,
                                             lambda: rng_states(rng_devices), started - carried_s, notice))
             train_wall = time.perf_counter() - started + carried_s
@@ -414,7 +439,7 @@ def train(run: Training, train_split: DeviceSplit, val_split: DeviceSplit) -> tu
             train_sums, step_sums = sums[:4], sums[4:].tolist()
             losses = losses.tolist()  # one copy per epoch
             check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
-            val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size), rank)
+            val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size, device), rank)
             epoch_time = time.perf_counter() - started + carried_s
             breakdown = probe.results()  # before the clock's totals, which clear its marks
             if breakdown is not None and probe.trace_file is not None:

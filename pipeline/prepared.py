@@ -1,7 +1,8 @@
 """The prepared data set: train/val/test as uint8 tensors, plus a JSON that describes them.
 
 uint8 images are 4x smaller than normalised floats; training moves them to the device once and
-normalises there with the mean and std recorded here.
+normalises there with the mean and std recorded here, or (train.loader: dataloader) reads them
+sample by sample from the memory-mapped file and normalises each batch there alike.
 """
 
 from __future__ import annotations
@@ -35,6 +36,43 @@ class Prepared:
     @property
     def std(self) -> float:
         return self.stats["train_pixel_std"]
+
+
+def normalised(images: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+    """uint8 pixels [..., H, W] as the models take them: float32 [..., 1, H, W], scaled to [0, 1],
+    then standardised. Element by element, so a batch and its images one by one get the same bits."""
+    return images.unsqueeze(-3).float().div_(255).sub_(mean).div_(std)
+
+
+class OnDisk(torch.utils.data.Dataset):
+    """A prepared split as a map-style Dataset, its file memory-mapped: only the pages of the samples
+    read come into memory. Each DataLoader worker maps the file itself (nothing is pickled to it but
+    the path). A sample is (uint8 image [H, W], label), normalised on the device once it is there
+    (`normalised`), as `to_device` does: GPUs divide by a number otherwise than CPUs, to the bit."""
+
+    def __init__(self, data_dir: Path, name: str):
+        self.path = Path(data_dir) / f"{name}.pt"
+        self._split: Split | None = None
+        self.length = len(self._open().labels)
+
+    def _open(self) -> Split:
+        if self._split is None:
+            try:
+                blob = torch.load(self.path, mmap=True, weights_only=True)
+                self._split = Split(blob["images"], blob["labels"])
+            except Exception as exc:
+                raise DataError(f"{self.path}: unreadable ({exc}); run `mnist-pipeline prepare` again") from None
+        return self._split
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_split": None}
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        split = self._open()
+        return split.images[index], split.labels[index]
 
 
 def split_train_val(train: Split, config: DataConfig) -> tuple[Split, Split]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -28,10 +29,11 @@ from pipeline.config import MODES, Config, flatten, load_config, read_config
 from pipeline.determinism import use_deterministic_algorithms
 from pipeline.precision import float32_means_float32
 from pipeline.errors import PipelineError
+from pipeline.batches import Loaded
 from pipeline.loop import TRACE_DIR, Training, steps_per_epoch, to_device
 from pipeline.loop import train as train_model
 from pipeline.mnist import IMAGE_SIZE
-from pipeline.prepared import STATS_FILE, Split, check_as_prepared, load_prepared, load_split, load_stats
+from pipeline.prepared import STATS_FILE, OnDisk, check_as_prepared, load_split, load_stats, normalised
 from pipeline.tracking.delivery import OUTBOX_DIR
 from pipeline.tracking.runs import fail_unfinished, missing_runs, start_mode_run, until_done
 from pipeline.tracking.store import check_worker_store, preflight, shown, tracking_uri
@@ -192,12 +194,13 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
         check_worker_store(rank)
 
     with parallel.process_group(rank, device) if mode == "ddp" else nullcontext():
-        data = load_prepared(data_dir, ("train", "val"))
-        channels_last = device.type == "cuda" and config.train.channels_last
-        train_split = to_device(data.splits["train"], data.mean, data.std, device, channels_last)
-        val_split = to_device(data.splits["val"], data.mean, data.std, device, channels_last)
+        stats = load_stats(data_dir)
+        train_split, val_split = (training_split(config, data_dir, name, stats, device) for name in ("train", "val"))
         log.info("%s: %d process(es) on %s, global batch %d", mode, rank.world_size,
                  parallel.device_name(device), config.train.batch_size)
+        if config.train.loader == "dataloader":
+            log.info("%s: samples read from %s by DataLoaders, %d worker process(es) each for training and "
+                     "for validation, a rank", mode, data_dir, config.train.loader_workers)
         if config.train.fp16:
             log.info("%s: fp16 autocast with a loss scaler (train.fp16, in place of train.bf16)", mode)
 
@@ -228,27 +231,44 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
             run = Training(config.train, mode, rank, device, out, resume_state=state, epoch_hooks=[runs.log_epoch],
                            extra_state={"mlflow": runs.ids, "launch": parallel.launch_id()},
                            log_every_n_steps=config.tracking.log_every_n_steps)
-            model, history = train_model(run, train_split, val_split)
+            try:
+                model, history = train_model(run, train_split, val_split)
+            finally:  # a DataLoader's workers (train.loader: dataloader) end with the training
+                for split in (train_split, val_split):
+                    if isinstance(split, Loaded):
+                        split.close()
             # Before the runs end FINISHED: a module imported late ran the bytes saved meanwhile.
             record.check_code_as_imported()
             if rank.is_main:
                 inputs_unchanged(mode, data_dir, required=False)
-                write_outputs(config, params_text, mode, rank, device, model, history, data, runs)
+                write_outputs(config, params_text, mode, rank, device, model, history, data_dir, stats, runs)
             trace = out / TRACE_DIR / f"trace-rank-{rank.rank}.json"  # opens in Perfetto (ui.perfetto.dev)
             runs.log_rank_artifacts([rank_log, *([trace] if trace.is_file() else [])])
 
 
+def training_split(config: Config, data_dir: Path, name: str, stats: dict, device: torch.device):
+    """A prepared split as the loop takes it (train.loader): on the device whole, or read by a
+    DataLoader as the steps need it."""
+    mean, std = stats["train_pixel_mean"], stats["train_pixel_std"]
+    channels_last = device.type == "cuda" and config.train.channels_last
+    if config.train.loader == "dataloader":
+        return Loaded(OnDisk(data_dir, name), device, config.train.loader_workers, channels_last,
+                      on_device=functools.partial(normalised, mean=mean, std=std))
+    return to_device(load_split(data_dir, name), mean, std, device, channels_last)
+
+
 def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Rank, device: torch.device,
-                  model: torch.nn.Module, history: list[dict], data, runs) -> None:
+                  model: torch.nn.Module, history: list[dict], data_dir: Path, stats: dict, runs) -> None:
     out = model_dir(mode)
     curves = CURVES_DIR / f"{mode}.csv"
+    mean, std = stats["train_pixel_mean"], stats["train_pixel_std"]
     save_torch(out / MODEL_FILE, {
         "state_dict": model.state_dict(),
         "model": config.train.model,
-        "normalization": {"mean": data.mean, "std": data.std},
+        "normalization": {"mean": mean, "std": std},
         "config": flatten(config),
     })
-    steps = steps_per_epoch(len(data.splits["train"].labels), config.train.batch_size)
+    steps = steps_per_epoch(stats["splits"]["train"]["count"], config.train.batch_size)
     write_json(RESULTS_DIR / f"{mode}.json", summarize(config, mode, rank, device, history, steps))
     write_text(curves, csv_text(history, CURVE_COLUMNS))
     write_text(STEPS_DIR / f"{mode}.csv", csv_text(step_rows(history), ("step", "epoch", "train_loss")))
@@ -258,8 +278,8 @@ def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Ra
     run_files = out / RUN_FILES
     write_text(run_files / "params.yaml", params_text)  # as read at the start, not as the file is now
     write_text(run_files / curves.name, curves.read_text())
-    example = to_device(Split(data.splits["val"].images[:4], data.splits["val"].labels[:4]),
-                        data.mean, data.std, torch.device("cpu")).images
+    val = OnDisk(data_dir, "val")  # its first images as the model takes them, for the logged model's signature
+    example = normalised(torch.stack([val[i][0] for i in range(min(4, len(val)))]), mean, std)
     # Every output is in place: said in the record, with the run the model goes to, so that what
     # comes next knows the training is done whatever happens to its runs' end (an outage keeps that
     # for send-runs, which then removes the record). A `dvc repro` before that goes on in the same
@@ -352,7 +372,9 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
 
 
 # Params of train@<mode> that no output depends on: how long to wait for a server, how often to sample.
-OPERATIONAL = ("train.modes", "tracking.outage_wait_s", "tracking.system_metrics_interval_s")
+# The loader reads the same samples either way (pipeline.batches).
+OPERATIONAL = ("train.modes", "train.loader", "train.loader_workers", "tracking.outage_wait_s",
+               "tracking.system_metrics_interval_s")
 
 
 def stage_settings(config: Config) -> dict:

@@ -51,7 +51,9 @@ def test_a_preempted_training_stops_checkpointed_and_resumes_in_its_runs(tmp_pat
     """SIGTERM to `train --mode ddp` (Kubernetes' notice to a pod's first process; torchrun's agent
     passes it to the workers, and waits 30 s for them): checkpointed at the next step, exit 143, and
     `--resume` ends with an uninterrupted training's weights in the same MLflow runs. The periodic
-    checkpoint (every 1000 steps) never comes: the notice's checkpoint is the only one mid-epoch."""
+    checkpoint (every 1000 steps) never comes: the notice's checkpoint is the only one mid-epoch. The
+    preempted training reads its samples through DataLoaders (train.loader, #53), whose workers the
+    notice must not stop; the resume and the reference hold them in memory."""
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 4,
                                                                   "checkpoint_every_steps": 1000}})
     prepare(project, mnist_dir)
@@ -60,7 +62,10 @@ def test_a_preempted_training_stops_checkpointed_and_resumes_in_its_runs(tmp_pat
     ids_file = project / "models" / "ddp" / "mlflow_run.json"
     first_runs = json.loads(ids_file.read_text())
 
-    with subprocess.Popen(["mnist-pipeline", "train", "--mode", "ddp"], cwd=project, stdout=subprocess.DEVNULL,
+    loaded = tmp_path / "loaded.yaml"
+    loaded.write_text((project / "params.yaml").read_text().replace("loader: memory", "loader: dataloader"))
+    with subprocess.Popen(["mnist-pipeline", "train", "--mode", "ddp", "--params", str(loaded)], cwd=project,
+                          stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True, env=subprocess_env(**project_env(project))) as proc:
         seen = []
         for line in proc.stderr:  # the end of epoch 1 of 4: the workers are mid-training
@@ -72,6 +77,7 @@ def test_a_preempted_training_stops_checkpointed_and_resumes_in_its_runs(tmp_pat
         proc.wait(timeout=120)
     assert proc.returncode == 143, stderr[-3000:]
     assert "ddp: SIGTERM, so training stopped after step" in stderr, stderr[-3000:]
+    assert "read from data/prepared by DataLoaders" in stderr
     state = read_checkpoint(project / "models" / "ddp" / CHECKPOINT_FILE)
     assert state["epoch"] >= 1 and 0 < in_epoch_step(state) <= 10, (state["epoch"], in_epoch_step(state))
     runs = json.loads(ids_file.read_text())

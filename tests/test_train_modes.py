@@ -117,19 +117,23 @@ def test_the_phase_clock_keeps_microsecond_phases():
 def test_a_resume_at_an_odd_world_size_ends_with_the_uninterrupted_weights(small_project, tmp_path):
     """An outer torchrun (a user's, a scheduler's) restarts the crashed workers, which resume from
     the checkpoint by themselves: at 3 ranks, batch 100 dealt out 34/33/33, killed mid-epoch after
-    a checkpoint every 3 steps (train.checkpoint_every_steps). (One test holds all three: each claim
+    a checkpoint every 3 steps (train.checkpoint_every_steps). The crashed and restarted training
+    reads its samples through a DataLoader (train.loader, 2 worker processes a rank), the reference
+    holds them in memory: the same weights, bit for bit (#53). (One test holds all four: each claim
     costs a training, a crash and a restart.)"""
     from tests.conftest import project_env, run, write_params
 
-    params = write_params(tmp_path / "params.yaml", **{"train": {**SMALL["train"], "nproc": 3,
-                                                                 "checkpoint_every_steps": 3}})
+    settings = {**SMALL["train"], "nproc": 3, "checkpoint_every_steps": 3}
+    params = write_params(tmp_path / "params.yaml", train=settings)
     train_cli(small_project, "ddp", "--params", str(params))
     reference = load_weights(small_project, "ddp")
     assert json.loads((small_project / "results/train/ddp.json").read_text())["batch_shares"] == "34/33/33"
+    loaded = write_params(tmp_path / "loaded.yaml", train={**settings, "loader": "dataloader", "loader_workers": 2})
     proc = run(["torchrun", "--standalone", "--nproc-per-node", "3", "--max-restarts", "1",
-                "-m", "stages", "train", "--mode", "ddp", "--params", str(params)], small_project,
+                "-m", "stages", "train", "--mode", "ddp", "--params", str(loaded)], small_project,
                **project_env(small_project, MNIST_PIPELINE_CRASH_AFTER_STEP="15"))
     assert "launching" not in proc.stdout  # workers, not a second launcher
+    assert proc.stderr.count("read from data/prepared by DataLoaders, 2 worker process(es) each") == 2
     assert "crashing after step 15" in proc.stderr  # the 5th of epoch 2's 10 steps
     # Epoch 1 ran once, before the crash; the restarted workers went on from epoch 2's 6th step.
     assert proc.stderr.count("ddp epoch 1/2") == 1 and proc.stderr.count("ddp epoch 2/2") == 1

@@ -1,0 +1,112 @@
+"""train.loader: dataloader: each step's samples read by a torch DataLoader, for data that does not
+fit in memory (or on the device).
+
+The loop decides every batch itself (loop.py: the epoch's permutation, each rank's share of each
+global batch, the micro-batches), then asks its data for those samples: `feed(parts)` yields
+(inputs, targets) for each list of indices in turn. loop.DeviceSplit answers by indexing tensors
+already on the device; `Loaded` answers through a DataLoader whose batch sampler is those very
+lists, so its workers read exactly the samples the in-memory path gathers, in the same order, and
+the modes' weights stay what they are, bit for bit. DistributedSampler is not used: it deals whole
+per-rank batches, and cannot deal a global batch that the world size does not divide (loop.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import signal
+import weakref
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+
+class _Requests:
+    """The DataLoader's batch sampler: the index lists of the feed in progress. The loader iterates it
+    in this process, ahead of the steps by what its workers prefetch."""
+
+    def __init__(self) -> None:
+        self.lists: Iterable[list[int]] = ()
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.lists)
+
+
+class _Collate:
+    """default_collate, but an empty list (a rank's empty last micro-batch: loop.micro_batches) gives
+    empty tensors of the samples' shape, as indexing a tensor with no index does."""
+
+    def __init__(self, empty: tuple[torch.Tensor, torch.Tensor]):
+        self.empty = empty
+
+    def __call__(self, samples: list) -> tuple[torch.Tensor, torch.Tensor]:
+        return default_collate(samples) if samples else self.empty
+
+
+def _deaf_to_notices(_worker_id: int) -> None:
+    """A worker ignores the preemption notices (pipeline.preemption) that Slurm, Kubernetes and
+    torchrun's agent send to every process of the job: dying of one, it would make its rank raise
+    mid-step instead of checkpointing at the step's end. It ends when its rank shuts it down, or,
+    should the rank die, when DataLoader's watchdog sees its parent gone."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def _shut_down(loader: DataLoader) -> None:
+    # Persistent workers outlive each epoch's iteration; ignoring SIGTERM, they would also outlive
+    # multiprocessing's terminate() at exit, which then waits on them forever.
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None
+
+
+class Loaded:
+    """A map-style Dataset of (input, target) samples, read by `workers` processes as the steps need
+    them (0: in this process), each batch moved to `device` (pinned first on GPUs, so the copy is
+    asynchronous), then `on_device` applied to its inputs there. The workers persist from epoch to
+    epoch, and end with `close()` or at exit."""
+
+    def __init__(self, dataset: Dataset, device: torch.device, workers: int, channels_last: bool = False,
+                 on_device: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self.dataset, self.device, self.channels_last, self.on_device = dataset, device, channels_last, on_device
+        sample = default_collate([dataset[0]])
+        self._requests = _Requests()
+        self._loader = DataLoader(
+            dataset, batch_sampler=self._requests, num_workers=workers,
+            collate_fn=_Collate(tuple(tensor[:0] for tensor in sample)),
+            pin_memory=device.type == "cuda", persistent_workers=workers > 0,
+            # Forked from the rank itself: a rank forked from a fork server would otherwise start
+            # another, whose workers re-import torch and outlive a rank that dies.
+            multiprocessing_context="fork" if workers else None, worker_init_fn=_deaf_to_notices,
+            # Each iterator draws its workers' base seed from this generator: from the global one it
+            # would shift the dropout's draws (and a resumed epoch's) off the in-memory path's.
+            generator=torch.Generator().manual_seed(0))
+        # Shut down when this is dropped, or closed, or else at exit: registered after
+        # multiprocessing's own exit hook, so run before its terminate() of the workers.
+        self.close = weakref.finalize(self, _shut_down, self._loader)
+        self.close.atexit = False
+        atexit.register(self.close)
+
+    # The indices stay on the CPU: the workers read them there.
+    index_device = torch.device("cpu")
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def sample_input(self) -> torch.Tensor:
+        """The first sample's input, as a batch of one on the device."""
+        return self._moved(*default_collate([self.dataset[0]]))[0]
+
+    def feed(self, parts: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        self._requests.lists = (part.tolist() for part in parts)
+        for inputs, targets in self._loader:
+            yield self._moved(inputs, targets)
+
+    def _moved(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = inputs.to(self.device, non_blocking=True)
+        if self.on_device is not None:
+            inputs = self.on_device(inputs)
+        if self.channels_last and inputs.dim() == 4:
+            inputs = inputs.contiguous(memory_format=torch.channels_last)
+        return inputs, targets.to(self.device, non_blocking=True)
