@@ -53,6 +53,8 @@ MECHANISMS = [
     ("a dropout stream per DataParallel replica (each GPU's generator)", "test_dataparallel_replicas_draw_dropout_masks_of_their_own"),
     ("bf16 keeps float32's accuracy", "test_bf16_keeps_float32_accuracy"),
     ("fp16 with a loss scaler: it learns, a resume carries the scale", "test_fp16_with_a_loss_scaler_learns_and_resumes_bit_for_bit_on_the_gpus"),
+    ("train.loader: dataloader: pinned asynchronous copies, the in-memory weights",
+     "test_a_training_read_by_dataloaders_is_the_in_memory_one_bit_for_bit_on_the_gpus"),
     ("deterministic cuDNN/cuBLAS: identical reruns, bit-identical resume", "test_a_resume_on_the_gpu_ends_with_the_uninterrupted_weights_bit_for_bit"),
     ("a run re-made from its MLflow record, bit for bit on the GPUs", "test_a_run_on_the_gpus_is_reproduced_bit_for_bit_from_its_record"),
     ("steady-state throughput after the warm-up steps", "dvc repro (default params, all of MNIST)"),

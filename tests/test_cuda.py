@@ -217,6 +217,21 @@ def test_fp16_with_a_loss_scaler_learns_and_resumes_bit_for_bit_on_the_gpus(gpu_
     assert torch.load(gpu_project / "models/ddp/checkpoint.pt", weights_only=True)["scaler"] == scaler
 
 
+@pytest.mark.parametrize("mode", ["single", "dp", "ddp"])
+def test_a_training_read_by_dataloaders_is_the_in_memory_one_bit_for_bit_on_the_gpus(gpu_project, tmp_path, mode):
+    """train.loader: dataloader on GPUs: batches pinned by the workers, copied asynchronously, then
+    normalised on the device, as the in-memory path normalises (a GPU divides by a number otherwise
+    than a CPU), in channels_last: the same weights as the in-memory training, bit for bit."""
+    train_cli(gpu_project, mode)
+    reference = load_weights(gpu_project, mode)
+    loaded = write_params(tmp_path / "loaded.yaml", data=SMALL["data"],
+                          train={**SMALL["train"], "batch_size": 100, "nproc": 0, "bf16": False,
+                                 "loader": "dataloader"})
+    result = train_cli(gpu_project, mode, "--params", str(loaded))
+    assert "by DataLoaders" in result.stderr
+    assert max_abs_diff(reference, load_weights(gpu_project, mode)) == 0.0
+
+
 @pytest.mark.parametrize("mode", ["single", "ddp"])
 def test_a_resume_on_the_gpu_ends_with_the_uninterrupted_weights_bit_for_bit(gpu_project, mode):
     """train.deterministic (on by default): cuDNN and cuBLAS take the same path on every run."""
