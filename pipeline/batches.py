@@ -43,13 +43,18 @@ class _Collate:
         return default_collate(samples) if samples else self.empty
 
 
+NOTICES = (signal.SIGTERM, signal.SIGUSR1)  # pipeline.preemption's
+
+
 def _deaf_to_notices(_worker_id: int) -> None:
-    """A worker ignores the preemption notices (pipeline.preemption) that Slurm, Kubernetes and
-    torchrun's agent send to every process of the job: dying of one, it would make its rank raise
-    mid-step instead of checkpointing at the step's end. It ends when its rank shuts it down, or,
-    should the rank die, when DataLoader's watchdog sees its parent gone."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    """A worker ignores the preemption notices that Slurm, Kubernetes and torchrun's agent send to
+    every process of the job: dying of one, it would make its rank raise mid-step instead of
+    checkpointing at the step's end. It ends when its rank shuts it down, or, should the rank die,
+    when DataLoader's watchdog sees its parent gone. The notices were held from its fork (`feed`),
+    so none reached it before it could ignore them."""
+    for notice in NOTICES:
+        signal.signal(notice, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, NOTICES)
 
 
 def _shut_down(loader: DataLoader) -> None:
@@ -100,7 +105,13 @@ class Loaded:
 
     def feed(self, parts: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self._requests.lists = (part.tolist() for part in parts)
-        for inputs, targets in self._loader:
+        # The first iteration forks the workers: notices wait meanwhile (a worker inherits the mask).
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, NOTICES)
+        try:
+            batches = iter(self._loader)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        for inputs, targets in batches:
             yield self._moved(inputs, targets)
 
     def _moved(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import PipelineError
-from pipeline.loop import DeviceSplit
 from pipeline.model import MODELS, build_model
 from pipeline.plotting import pyplot
 from pipeline.prepared import NUM_CLASSES
@@ -57,15 +56,19 @@ def load_trained_model(path: Path) -> TrainedModel:
 
 
 @torch.no_grad()
-def evaluate_model(module: nn.Module, data: DeviceSplit, batch_size: int) -> Evaluation:
+def evaluate_model(module: nn.Module, data, batch_size: int, device: torch.device | None = None) -> Evaluation:
+    """`data`: a loop.DeviceSplit, or a batches.Loaded that reads the same batches from disk; `device`:
+    the model's (by default the in-memory data's)."""
     module.eval()
-    predictions, loss = [], torch.zeros((), dtype=torch.float64, device=data.labels.device)
-    for images, labels in zip(data.images.split(batch_size), data.labels.split(batch_size)):
+    predictions, labels_seen = [], []
+    loss = torch.zeros((), dtype=torch.float64, device=device or data.index_device)
+    for images, labels in data.feed(torch.arange(len(data), device=data.index_device).split(batch_size)):
         logits = module(images).float()
         loss += F.cross_entropy(logits, labels, reduction="sum")
         predictions.append(logits.argmax(1))
+        labels_seen.append(labels)
     predicted = torch.cat(predictions).cpu()
-    actual = data.labels.cpu()
+    actual = torch.cat(labels_seen).cpu()
     confusion = torch.bincount(actual * NUM_CLASSES + predicted, minlength=NUM_CLASSES**2).reshape(NUM_CLASSES, -1)
     per_class = (confusion.diag().double() / confusion.sum(1).clamp(min=1)).tolist()
     return Evaluation(

@@ -4,6 +4,7 @@ plots/confusion/<mode>.png.
 Every mode in one process: a process pays about 6 s for importing torch and MLflow on the 2-core
 machine we measure on, and evaluating a model takes about 2 (benchmarks/pipeline_overhead.py)."""
 
+import functools
 from pathlib import Path
 
 import click
@@ -13,10 +14,11 @@ from pipeline.checkpoint import MODEL_FILE
 from pipeline.config import MODES, Config, load_config
 from pipeline.errors import PipelineError
 from pipeline.evaluation import Evaluation, TrainedModel, confusion_png, evaluate_model, load_trained_model
+from pipeline.batches import Loaded
 from pipeline.loop import to_device
 from pipeline.parallel import Rank, pick_device
 from pipeline.precision import float32_means_float32
-from pipeline.prepared import Split, load_split
+from pipeline.prepared import OnDisk, load_split, normalised
 from pipeline.tracking.after_training import log_to_mode_run
 from pipeline.tracking.store import check_store, tracking_uri
 from stages import slurm
@@ -32,11 +34,22 @@ TRAINING_RESULTS = ("results/train/{mode}.json", "results/breakdown/{mode}.json"
                     "plots/steps/{mode}.csv")
 
 
-def evaluate_mode(config: Config, mode: str, trained: TrainedModel, test: Split, data_dir: Path) -> Evaluation:
+def test_split(config: Config, data_dir: Path, trained: TrainedModel, device):
+    """The test split as train.loader has the training read its splits: on the device whole, or read
+    by a DataLoader batch by batch (the same batches, the same numbers)."""
+    if config.train.loader == "dataloader":
+        return Loaded(OnDisk(data_dir, "test"), device, config.train.loader_workers,
+                      on_device=functools.partial(normalised, mean=trained.mean, std=trained.std))
+    return to_device(load_split(data_dir, "test"), trained.mean, trained.std, device)
+
+
+def evaluate_mode(config: Config, mode: str, trained: TrainedModel, data_dir: Path) -> Evaluation:
     """One mode's model on the test split: its files written, its numbers in its MLflow run."""
     device = pick_device(Rank(), config.train.device)
-    images = to_device(test, trained.mean, trained.std, device)
-    result = evaluate_model(trained.module.to(device), images, config.evaluate.batch_size)
+    images = test_split(config, data_dir, trained, device)
+    result = evaluate_model(trained.module.to(device), images, config.evaluate.batch_size, device)
+    if isinstance(images, Loaded):
+        images.close()
 
     write_json(RESULTS_DIR / f"{mode}.json", result.summary())
     png = CONFUSION_DIR / f"{mode}.png"
@@ -69,9 +82,8 @@ def evaluate(params_path: str, modes: tuple[str, ...], data_dir: str) -> None:
         slurm.submit(config, command + [arg for mode in modes for arg in ("--mode", mode)], SLURM_LOG_DIR,
                      slurm.job_for(config, "evaluate"))
         return
-    test = load_split(Path(data_dir), "test")
     float32_means_float32()  # the test numbers in plain float32, whatever precision trained the model
-    results = {mode: evaluate_mode(config, mode, trained[mode], test, Path(data_dir)) for mode in modes}
+    results = {mode: evaluate_mode(config, mode, trained[mode], Path(data_dir)) for mode in modes}
 
     gate = config.evaluate.min_test_accuracy
     failed = [mode for mode, result in results.items() if result.accuracy < gate]

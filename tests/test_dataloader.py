@@ -3,7 +3,8 @@ file, memory-mapped, in worker processes, and hands the loop exactly what the in
 gathers, in the same order, so a training is the in-memory one bit for bit. Here: the feed itself,
 and a whole training in this process (dropout and micro-batches included). The stage's path, at 3
 DDP ranks under torchrun with a mid-epoch crash and restart, is tests/test_train_modes.py's
-odd-world-size resume, whose restarted training reads through a DataLoader."""
+odd-world-size resume, whose restarted training reads through a DataLoader; the preempted one of
+tests/test_preemption.py reads through one too."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from pipeline.batches import Loaded
+from pipeline.evaluation import evaluate_model
 from pipeline.loop import Training, micro_batches, rank_share, to_device, train
 from pipeline.parallel import Rank
 from pipeline.prepared import OnDisk, Split, normalised
@@ -72,7 +74,7 @@ def test_the_workers_outlast_a_preemption_notice_sent_to_every_process_of_the_jo
     first = next(feed)
     workers = set(multiprocessing.active_children()) - before
     assert len(workers) == 2
-    for worker in workers:
+    for worker in workers:  # one may still be starting: the notices wait for it to ignore them
         for notice in (signal.SIGTERM, signal.SIGUSR1):
             os.kill(worker.pid, notice)
     rest = list(feed)
@@ -84,7 +86,8 @@ def test_the_workers_outlast_a_preemption_notice_sent_to_every_process_of_the_jo
 
 def test_a_training_read_by_a_dataloader_is_the_in_memory_training_bit_for_bit(tmp_path):
     """Two epochs of the loop with dropout (classic) and micro-batches, their validation included:
-    the same weights and the same epoch metrics from either source."""
+    the same weights and the same epoch metrics from either source; then `evaluate`'s numbers for
+    the model, the same from either."""
     config = dataclasses.replace(train_config(batch_size=40, epochs=2), model="classic", grad_accum_steps=2,
                                  eval_batch_size=16)
     splits = {name: prepared(tmp_path / "data", name, n, seed) for name, n, seed in (("train", 300, 0), ("val", 50, 1))}
@@ -98,6 +101,8 @@ def test_a_training_read_by_a_dataloader_is_the_in_memory_training_bit_for_bit(t
     for loader, (train_data, val_data) in sources.items():
         run = Training(dataclasses.replace(config, loader=loader), "single", Rank(), cpu, tmp_path / loader)
         trained[loader] = train(run, train_data, val_data)
+    evaluations = {loader: evaluate_model(trained["memory"][0], val_data, 16)
+                   for loader, (_, val_data) in sources.items()}
     for source in sources["dataloader"]:
         source.close()
     (memory, memory_history), (loaded, loaded_history) = trained["memory"], trained["dataloader"]
@@ -106,3 +111,6 @@ def test_a_training_read_by_a_dataloader_is_the_in_memory_training_bit_for_bit(t
         for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "loss_windows"):
             assert ours[key] == theirs[key], key
     assert memory_history[1]["train_loss"] < memory_history[0]["train_loss"]  # it trained
+    ours, theirs = evaluations["memory"], evaluations["dataloader"]
+    assert ours.summary() == theirs.summary() and torch.equal(ours.predictions, theirs.predictions)
+    assert ours.summary()["count"] == 50
