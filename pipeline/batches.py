@@ -12,9 +12,11 @@ per-rank batches, and cannot deal a global batch that the world size does not di
 
 from __future__ import annotations
 
-import atexit
+import multiprocessing
 import signal
-import weakref
+import threading
+from contextlib import contextmanager
+from multiprocessing.util import Finalize
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -43,27 +45,62 @@ class _Collate:
         return default_collate(samples) if samples else self.empty
 
 
-NOTICES = (signal.SIGTERM, signal.SIGUSR1)  # pipeline.preemption's
+# The notices a rank acts on at a step's end (pipeline.preemption; SIGHUP: the warm server's fork
+# takes it as SIGTERM), sent to every process of a job by Slurm, Kubernetes, torchrun's agent and
+# the warm client.
+NOTICES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 def _deaf_to_notices(_worker_id: int) -> None:
-    """A worker ignores the preemption notices that Slurm, Kubernetes and torchrun's agent send to
-    every process of the job: dying of one, it would make its rank raise mid-step instead of
+    """A worker ignores the notices: dying of one, it would make its rank raise mid-step instead of
     checkpointing at the step's end. It ends when its rank shuts it down, or, should the rank die,
-    when DataLoader's watchdog sees its parent gone. The notices were held from its fork (`feed`),
+    when DataLoader's watchdog sees its parent gone. The notices were held from its fork (`held`),
     so none reached it before it could ignore them."""
     for notice in NOTICES:
         signal.signal(notice, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, NOTICES)
 
 
+@contextmanager
+def held():
+    """Notices wait while workers fork. The children inherit a mask that holds them; this process
+    only records one meanwhile (another thread may take it, and the handler would then stop this
+    one with a loader half made, its workers out of reach), then acts on it once the loader is
+    whole. A loader that fails half made has its new workers killed."""
+    seen: list[int] = []
+    swapped = {}
+    if threading.current_thread() is threading.main_thread():
+        for notice in NOTICES:
+            if callable(signal.getsignal(notice)):
+                swapped[notice] = signal.signal(notice, lambda signum, _frame: seen.append(signum))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, NOTICES)
+    before = set(multiprocessing.active_children())
+    try:
+        yield
+    except BaseException:
+        for child in set(multiprocessing.active_children()) - before:
+            child.kill()
+        raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for notice, handler in swapped.items():
+            signal.signal(notice, handler)
+        for notice in dict.fromkeys(seen):
+            signal.raise_signal(notice)
+
+
 def _shut_down(loader: DataLoader) -> None:
-    # Persistent workers outlive each epoch's iteration; ignoring SIGTERM, they would also outlive
-    # multiprocessing's terminate() at exit, which then waits on them forever.
+    """Persistent workers outlive each epoch's iteration; ignoring SIGTERM, they would also outlive
+    multiprocessing's terminate() at exit, which then waits on them forever."""
     iterator = getattr(loader, "_iterator", None)
-    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-        iterator._shutdown_workers()
-        loader._iterator = None
+    if iterator is None or not hasattr(iterator, "_shutdown_workers"):
+        return
+    iterator._shutdown_workers()  # asks each to end, and waits for it a while
+    for worker in getattr(iterator, "_workers", ()):
+        if worker.is_alive():
+            worker.kill()
+            worker.join()
+    loader._iterator = None
 
 
 class Loaded:
@@ -87,11 +124,10 @@ class Loaded:
             # Each iterator draws its workers' base seed from this generator: from the global one it
             # would shift the dropout's draws (and a resumed epoch's) off the in-memory path's.
             generator=torch.Generator().manual_seed(0))
-        # Shut down when this is dropped, or closed, or else at exit: registered after
-        # multiprocessing's own exit hook, so run before its terminate() of the workers.
-        self.close = weakref.finalize(self, _shut_down, self._loader)
-        self.close.atexit = False
-        atexit.register(self.close)
+        # The workers shut down when this is dropped or closed, or else at exit: multiprocessing runs
+        # its finalizers before it terminates its children, in a process it started too (a DDP rank
+        # of the fork server), where no atexit hook runs.
+        self.close = Finalize(self, _shut_down, args=(self._loader,), exitpriority=10)
 
     # The indices stay on the CPU: the workers read them there.
     index_device = torch.device("cpu")
@@ -105,12 +141,8 @@ class Loaded:
 
     def feed(self, parts: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self._requests.lists = (part.tolist() for part in parts)
-        # The first iteration forks the workers: notices wait meanwhile (a worker inherits the mask).
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, NOTICES)
-        try:
+        with held():  # the first iteration forks the workers
             batches = iter(self._loader)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         for inputs, targets in batches:
             yield self._moved(inputs, targets)
 

@@ -46,8 +46,8 @@ def normalised(images: torch.Tensor, mean: float, std: float) -> torch.Tensor:
 
 class OnDisk(torch.utils.data.Dataset):
     """A prepared split as a map-style Dataset, its file memory-mapped: only the pages of the samples
-    read come into memory. Each DataLoader worker maps the file itself (nothing is pickled to it but
-    the path). A sample is (uint8 image [H, W], label), normalised on the device once it is there
+    read come into memory. Forked workers share the parent's mapping; pickled (a spawned worker), it
+    takes only the path and maps the file itself. A sample is (uint8 image [H, W], label), normalised on the device once it is there
     (`normalised`), as `to_device` does: GPUs divide by a number otherwise than CPUs, to the bit."""
 
     def __init__(self, data_dir: Path, name: str):
@@ -118,7 +118,7 @@ def split_digest(split: Split) -> str:
     digest = hashlib.sha256()
     for tensor in (split.images, split.labels):
         digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
-        digest.update(tensor.contiguous().numpy().tobytes())
+        digest.update(tensor.contiguous().numpy())  # its buffer, not a copy: a split may be larger than memory
     return digest.hexdigest()
 
 
@@ -154,12 +154,14 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).splitlines() or [type(exc).__name__])[0]
 
 
-def load_split(data_dir: Path, name: str) -> Split:
+def load_split(data_dir: Path, name: str, mmap: bool = False) -> Split:
+    """A prepared split; `mmap`: its file memory-mapped, read as its tensors are (a check that goes
+    over it once then holds no more of it than the pages the kernel keeps)."""
     path = Path(data_dir) / f"{name}.pt"
     if not path.is_file():
         raise DataError(f"{path}: missing; run `mnist-pipeline prepare` (or `dvc repro prepare`) first")
     try:
-        blob = torch.load(path, weights_only=True)
+        blob = torch.load(path, weights_only=True, mmap=mmap)
         images, labels = blob["images"], blob["labels"]
         if not (isinstance(images, torch.Tensor) and isinstance(labels, torch.Tensor) and len(images) == len(labels)):
             raise ValueError("not images and labels of one length")

@@ -241,7 +241,8 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
             record.check_code_as_imported()
             if rank.is_main:
                 inputs_unchanged(mode, data_dir, required=False)
-                write_outputs(config, params_text, mode, rank, device, model, history, data_dir, stats, runs)
+                write_outputs(config, params_text, mode, rank, device, model, history, data_dir, stats,
+                              len(train_split), runs)
             trace = out / TRACE_DIR / f"trace-rank-{rank.rank}.json"  # opens in Perfetto (ui.perfetto.dev)
             runs.log_rank_artifacts([rank_log, *([trace] if trace.is_file() else [])])
 
@@ -258,7 +259,8 @@ def training_split(config: Config, data_dir: Path, name: str, stats: dict, devic
 
 
 def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Rank, device: torch.device,
-                  model: torch.nn.Module, history: list[dict], data_dir: Path, stats: dict, runs) -> None:
+                  model: torch.nn.Module, history: list[dict], data_dir: Path, stats: dict, train_count: int,
+                  runs) -> None:
     out = model_dir(mode)
     curves = CURVES_DIR / f"{mode}.csv"
     mean, std = stats["train_pixel_mean"], stats["train_pixel_std"]
@@ -268,7 +270,7 @@ def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Ra
         "normalization": {"mean": mean, "std": std},
         "config": flatten(config),
     })
-    steps = steps_per_epoch(stats["splits"]["train"]["count"], config.train.batch_size)
+    steps = steps_per_epoch(train_count, config.train.batch_size)
     write_json(RESULTS_DIR / f"{mode}.json", summarize(config, mode, rank, device, history, steps))
     write_text(curves, csv_text(history, CURVE_COLUMNS))
     write_text(STEPS_DIR / f"{mode}.csv", csv_text(step_rows(history), ("step", "epoch", "train_loss")))
@@ -372,9 +374,7 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
 
 
 # Params of train@<mode> that no output depends on: how long to wait for a server, how often to sample.
-# The loader reads the same samples either way (pipeline.batches).
-OPERATIONAL = ("train.modes", "train.loader", "train.loader_workers", "tracking.outage_wait_s",
-               "tracking.system_metrics_interval_s")
+OPERATIONAL = ("train.modes", "tracking.outage_wait_s", "tracking.system_metrics_interval_s")
 
 
 def stage_settings(config: Config) -> dict:
@@ -412,7 +412,7 @@ def check_prepared(data_dir: Path, batch_size: int) -> None:
     is allowed (quick runs) but said, with its numbers."""
     stats = load_stats(data_dir)
     for name in ("train", "val"):
-        split = load_split(data_dir, name)  # readable, and what stats.json says it is
+        split = load_split(data_dir, name, mmap=True)  # readable, and what stats.json says it is
         if tuple(split.images.shape[1:]) != IMAGE_SIZE or not len(split.labels) or \
                 len(split.labels) != stats.get("splits", {}).get(name, {}).get("count"):
             raise PipelineError(

@@ -84,6 +84,34 @@ def test_the_workers_outlast_a_preemption_notice_sent_to_every_process_of_the_jo
     assert not any(worker.is_alive() for worker in workers)
 
 
+@pytest.mark.fast
+def test_a_notice_while_workers_fork_waits_for_the_loader_and_a_half_made_one_leaves_no_worker():
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    from pipeline.batches import held
+
+    seen = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, _frame: seen.append(signum))
+    try:
+        with held():
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.05)
+            assert seen == []  # recorded, not acted on: a handler that stops would stop a half-made loader
+        assert seen == [signal.SIGUSR1]  # acted on once the loader is whole
+        with pytest.raises(RuntimeError, match="half made"):
+            with held():
+                child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,), daemon=True)
+                child.start()
+                raise RuntimeError("half made")
+        child.join(timeout=10)
+        assert not child.is_alive()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 def test_a_training_read_by_a_dataloader_is_the_in_memory_training_bit_for_bit(tmp_path):
     """Two epochs of the loop with dropout (classic) and micro-batches, their validation included:
     the same weights and the same epoch metrics from either source; then `evaluate`'s numbers for

@@ -52,8 +52,8 @@ def test_a_preempted_training_stops_checkpointed_and_resumes_in_its_runs(tmp_pat
     passes it to the workers, and waits 30 s for them): checkpointed at the next step, exit 143, and
     `--resume` ends with an uninterrupted training's weights in the same MLflow runs. The periodic
     checkpoint (every 1000 steps) never comes: the notice's checkpoint is the only one mid-epoch. The
-    preempted training reads its samples through DataLoaders (train.loader, #53), whose workers the
-    notice must not stop; the resume and the reference hold them in memory."""
+    preempted and resumed training reads its samples through DataLoaders (train.loader, #53), whose
+    workers the notice must not stop; the reference holds them in memory."""
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 4,
                                                                   "checkpoint_every_steps": 1000}})
     prepare(project, mnist_dir)
@@ -83,7 +83,7 @@ def test_a_preempted_training_stops_checkpointed_and_resumes_in_its_runs(tmp_pat
     runs = json.loads(ids_file.read_text())
     assert runs != first_runs  # a training of its own, not the reference's
 
-    resumed = train_cli(project, "ddp", "--resume")
+    resumed = train_cli(project, "ddp", "--resume", "--params", str(loaded))
     assert "ddp epoch 1/4" not in resumed.stderr
     assert torch.equal(torch.cat([w.flatten() for w in reference.values()]),
                        torch.cat([w.flatten() for w in load_weights(project, "ddp").values()]))
