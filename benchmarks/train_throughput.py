@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,10 +38,10 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline import malloc, mnist, parallel  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.batches import Loaded  # noqa: E402
+from pipeline.batches import prepared_split  # noqa: E402
 from pipeline.loop import Training, evaluate, to_device, train  # noqa: E402
 from pipeline.model import build_model  # noqa: E402
-from pipeline.prepared import OnDisk, Split, normalised  # noqa: E402
+from pipeline.prepared import Split  # noqa: E402
 
 import mnist_data  # noqa: E402  (benchmarks/, this script's folder)
 
@@ -101,8 +100,8 @@ def ours_loaded(rank: parallel.Rank, config, data_dir: Path, mean: float, std: f
     device = torch.device("cpu")
     run = Training(replace(config, epochs=1, loader="dataloader"), "ddp" if rank.world_size > 1 else "single", rank,
                    device, out)
-    train_data, val_data = (Loaded(OnDisk(data_dir, name), device, config.loader_workers,
-                                   on_device=partial(normalised, mean=mean, std=std)) for name in ("train", "val"))
+    train_data, val_data = (prepared_split(data_dir, name, mean, std, device, "dataloader", config.loader_workers)
+                            for name in ("train", "val"))
     _, history = train(run, train_data, val_data)
     train_data.close(), val_data.close()
     return history[-1]["samples_per_s"]

@@ -12,15 +12,20 @@ per-rank batches, and cannot deal a global batch that the world size does not di
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import signal
 import threading
 from contextlib import contextmanager
 from multiprocessing.util import Finalize
+from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
+
+from pipeline.loop import DeviceSplit, to_device
+from pipeline.prepared import OnDisk, load_split, normalised
 
 
 class _Requests:
@@ -153,3 +158,14 @@ class Loaded:
         if self.channels_last and inputs.dim() == 4:
             inputs = inputs.contiguous(memory_format=torch.channels_last)
         return inputs, targets.to(self.device, non_blocking=True)
+
+
+def prepared_split(data_dir: Path, name: str, mean: float, std: float, device: torch.device, loader: str,
+                   workers: int, channels_last: bool = False) -> DeviceSplit | Loaded:
+    """A prepared split as the loop and `evaluate` take it (train.loader): on the device whole
+    ("memory"), or read by a DataLoader as the batches need it ("dataloader"). Either way its images
+    are normalised on the device. Close it when done (the DataLoader's workers end)."""
+    if loader == "dataloader":
+        return Loaded(OnDisk(data_dir, name), device, workers, channels_last,
+                      on_device=functools.partial(normalised, mean=mean, std=std))
+    return to_device(load_split(data_dir, name), mean, std, device, channels_last)

@@ -82,6 +82,9 @@ class DeviceSplit:
         for idx in parts:
             yield self.images[idx], self.labels[idx]
 
+    def close(self) -> None:
+        """Nothing to release (a batches.Loaded ends its workers)."""
+
 
 # What the loop trains on: a DeviceSplit or a batches.Loaded, which answer alike.
 Data = Any

@@ -4,7 +4,6 @@ plots/confusion/<mode>.png.
 Every mode in one process: a process pays about 6 s for importing torch and MLflow on the 2-core
 machine we measure on, and evaluating a model takes about 2 (benchmarks/pipeline_overhead.py)."""
 
-import functools
 from pathlib import Path
 
 import click
@@ -14,11 +13,9 @@ from pipeline.checkpoint import MODEL_FILE
 from pipeline.config import MODES, Config, load_config
 from pipeline.errors import PipelineError
 from pipeline.evaluation import Evaluation, TrainedModel, confusion_png, evaluate_model, load_trained_model
-from pipeline.batches import Loaded
-from pipeline.loop import to_device
+from pipeline.batches import prepared_split
 from pipeline.parallel import Rank, pick_device
 from pipeline.precision import float32_means_float32
-from pipeline.prepared import OnDisk, load_split, normalised
 from pipeline.tracking.after_training import log_to_mode_run
 from pipeline.tracking.store import check_store, tracking_uri
 from stages import slurm
@@ -34,22 +31,14 @@ TRAINING_RESULTS = ("results/train/{mode}.json", "results/breakdown/{mode}.json"
                     "plots/steps/{mode}.csv")
 
 
-def test_split(config: Config, data_dir: Path, trained: TrainedModel, device):
-    """The test split as train.loader has the training read its splits: on the device whole, or read
-    by a DataLoader batch by batch (the same batches, the same numbers)."""
-    if config.train.loader == "dataloader":
-        return Loaded(OnDisk(data_dir, "test"), device, config.train.loader_workers,
-                      on_device=functools.partial(normalised, mean=trained.mean, std=trained.std))
-    return to_device(load_split(data_dir, "test"), trained.mean, trained.std, device)
-
-
 def evaluate_mode(config: Config, mode: str, trained: TrainedModel, data_dir: Path) -> Evaluation:
     """One mode's model on the test split: its files written, its numbers in its MLflow run."""
     device = pick_device(Rank(), config.train.device)
-    images = test_split(config, data_dir, trained, device)
+    # Read as train.loader has the training read its splits (the same batches, the same numbers).
+    images = prepared_split(data_dir, "test", trained.mean, trained.std, device, config.train.loader,
+                            config.train.loader_workers)
     result = evaluate_model(trained.module.to(device), images, config.evaluate.batch_size, device)
-    if isinstance(images, Loaded):
-        images.close()
+    images.close()
 
     write_json(RESULTS_DIR / f"{mode}.json", result.summary())
     png = CONFUSION_DIR / f"{mode}.png"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import functools
 import io
 import json
 import logging
@@ -29,8 +28,8 @@ from pipeline.config import MODES, Config, flatten, load_config, read_config
 from pipeline.determinism import use_deterministic_algorithms
 from pipeline.precision import float32_means_float32
 from pipeline.errors import PipelineError
-from pipeline.batches import Loaded
-from pipeline.loop import TRACE_DIR, Training, steps_per_epoch, to_device
+from pipeline.batches import prepared_split
+from pipeline.loop import TRACE_DIR, Training, steps_per_epoch
 from pipeline.loop import train as train_model
 from pipeline.mnist import IMAGE_SIZE
 from pipeline.prepared import STATS_FILE, OnDisk, check_as_prepared, load_split, load_stats, normalised
@@ -195,7 +194,10 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
 
     with parallel.process_group(rank, device) if mode == "ddp" else nullcontext():
         stats = load_stats(data_dir)
-        train_split, val_split = (training_split(config, data_dir, name, stats, device) for name in ("train", "val"))
+        channels_last = device.type == "cuda" and config.train.channels_last
+        train_split, val_split = (
+            prepared_split(data_dir, name, stats["train_pixel_mean"], stats["train_pixel_std"], device,
+                           config.train.loader, config.train.loader_workers, channels_last) for name in ("train", "val"))
         log.info("%s: %d process(es) on %s, global batch %d", mode, rank.world_size,
                  parallel.device_name(device), config.train.batch_size)
         if config.train.loader == "dataloader":
@@ -234,9 +236,8 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
             try:
                 model, history = train_model(run, train_split, val_split)
             finally:  # a DataLoader's workers (train.loader: dataloader) end with the training
-                for split in (train_split, val_split):
-                    if isinstance(split, Loaded):
-                        split.close()
+                train_split.close()
+                val_split.close()
             # Before the runs end FINISHED: a module imported late ran the bytes saved meanwhile.
             record.check_code_as_imported()
             if rank.is_main:
@@ -245,17 +246,6 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
                               len(train_split), runs)
             trace = out / TRACE_DIR / f"trace-rank-{rank.rank}.json"  # opens in Perfetto (ui.perfetto.dev)
             runs.log_rank_artifacts([rank_log, *([trace] if trace.is_file() else [])])
-
-
-def training_split(config: Config, data_dir: Path, name: str, stats: dict, device: torch.device):
-    """A prepared split as the loop takes it (train.loader): on the device whole, or read by a
-    DataLoader as the steps need it."""
-    mean, std = stats["train_pixel_mean"], stats["train_pixel_std"]
-    channels_last = device.type == "cuda" and config.train.channels_last
-    if config.train.loader == "dataloader":
-        return Loaded(OnDisk(data_dir, name), device, config.train.loader_workers, channels_last,
-                      on_device=functools.partial(normalised, mean=mean, std=std))
-    return to_device(load_split(data_dir, name), mean, std, device, channels_last)
 
 
 def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Rank, device: torch.device,
