@@ -76,18 +76,20 @@ def loop_alone(project: Path) -> None:
     from pipeline.config import load_config
     from pipeline.parallel import Rank
     from pipeline.prepared import load_prepared
+    from pipeline.workloads import load_workload
 
-    config = load_config(project / "params.yaml").train
+    full = load_config(project / "params.yaml")
+    config, workload = full.train, load_workload(full.workload)
     device, rank = torch.device("cpu"), Rank()
     data = load_prepared(project / "data" / "prepared", ("train",))
     train = loop.to_device(data.splits["train"], data.mean, data.std, device)
     steps = config.epochs * loop.steps_per_epoch(len(train), config.batch_size)
-    model, optimizer, scheduler = loop.build(config, steps, device)
+    model, optimizer, scheduler = loop.build(config, steps, device, workload)
     wrapped = loop.wrap_for_mode(model, config, device, "single")
     for epoch in range(config.epochs):
         probe = Probe(device)
         loop.run_epoch(wrapped, optimizer, scheduler, train, loop.epoch_order(len(train), epoch, config.seed),
-                       config.batch_size, rank, probe=probe, show_bar=False, desc="", label_smoothing=config.label_smoothing,
+                       config.batch_size, rank, probe=probe, show_bar=False, desc="", workload=workload,
                        max_grad_norm=config.max_grad_norm, grad_accum_steps=config.grad_accum_steps)
         probe.clock.totals()
 

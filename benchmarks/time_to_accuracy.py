@@ -24,23 +24,26 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pipeline import malloc, parallel  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
+from pipeline.config import WorkloadConfig, load_config  # noqa: E402
+from pipeline.workloads import load_workload  # noqa: E402
 from pipeline.loop import Training, evaluate, to_device, train  # noqa: E402
 
 import mnist_data  # noqa: E402  (benchmarks/, this script's folder)
 
 # The default before #13: what "today's recipe" means in the issue.
-EARLIER = {"model": "small", "epochs": 2, "batch_size": 128, "optimizer": "adam", "schedule": "onecycle", "lr": 0.01,
-           "weight_decay": 0.0, "label_smoothing": 0.0}
+EARLIER = {"epochs": 2, "batch_size": 128, "optimizer": "adam", "schedule": "onecycle", "lr": 0.01, "weight_decay": 0.0}
+EARLIER_WORKLOAD = WorkloadConfig(init_args={"model": "small", "label_smoothing": 0.0})
 
 
-def run_once(config, data: dict, out: Path) -> tuple[float, float, float]:
+def run_once(config, workload: WorkloadConfig, data: dict, out: Path) -> tuple[float, float, float]:
     """(training seconds, first epoch's seconds over the second's, test accuracy)."""
     device = torch.device("cpu")
-    model, history = train(Training(config, "single", parallel.Rank(), device, out), data["train"], data["val"])
-    sums = evaluate(model, data["test"], torch.arange(len(data["test"])), config.eval_batch_size)
+    model, history = train(Training(config, "single", parallel.Rank(), device, out, workload=workload),
+                           data["train"], data["val"])
+    sums = evaluate(model, data["test"], torch.arange(len(data["test"])), config.eval_batch_size,
+                    workload=load_workload(workload))
     warmup = history[0]["epoch_time_s"] / history[1]["epoch_time_s"] if len(history) > 1 else float("nan")
-    return sum(m["train_time_s"] for m in history), warmup, (sums[1] / sums[2]).item()
+    return sum(m["train_time_s"] for m in history), warmup, (sums["accuracy"] / sums["count"]).item()
 
 
 def main() -> None:
@@ -54,12 +57,13 @@ def main() -> None:
     data = {name: to_device(split, mean, std, torch.device("cpu")) for name, split in splits.items()}
     torch.set_num_threads(parallel.available_cpus())
 
-    recipes = {"earlier": replace(config.train, **EARLIER), "params.yaml": config.train}
+    recipes = {"earlier": (replace(config.train, **EARLIER), EARLIER_WORKLOAD),
+               "params.yaml": (config.train, config.workload)}
     results: dict[str, list[tuple[int, float, float, float]]] = {name: [] for name in recipes}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(1, args.seeds + 1):
-            for name, recipe in recipes.items():
-                seconds, warmup, accuracy = run_once(replace(recipe, seed=seed), data, Path(tmp) / name)
+            for name, (recipe, workload) in recipes.items():
+                seconds, warmup, accuracy = run_once(replace(recipe, seed=seed), workload, data, Path(tmp) / name)
                 results[name].append((seed, seconds, warmup, accuracy))
                 print(f"{name} seed {seed}: {seconds:.1f} s, test accuracy {accuracy:.2%}", flush=True)
 
@@ -67,10 +71,11 @@ def main() -> None:
     print("| recipe | model | epochs | batch | lr | label smoothing | median training time, s "
           "| first / second epoch | lowest test accuracy | median test accuracy |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, recipe in recipes.items():
+    for name, (recipe, workload) in recipes.items():
         rows = results[name]
         warmups = [w for _, _, w, _ in rows if w == w]  # NaN for a one-epoch recipe
-        cells = [name, recipe.model, recipe.epochs, recipe.batch_size, f"{recipe.lr:g}", f"{recipe.label_smoothing:g}",
+        args = workload.init_args
+        cells = [name, args.get("model"), recipe.epochs, recipe.batch_size, f"{recipe.lr:g}", f"{args.get('label_smoothing'):g}",
                  f"{statistics.median(s for _, s, _, _ in rows):.1f}",
                  f"{statistics.median(warmups):.2f}" if warmups else "one epoch",
                  f"{min(a for *_, a in rows):.2%}", f"{statistics.median(a for *_, a in rows):.2%}"]

@@ -1,6 +1,6 @@
 """Training throughput: this project's loop against a conventional PyTorch MNIST loop.
 
-Both train the same model (train.model from params.yaml) with the same optimiser and global batch,
+Both train the same model (the workload's, MNIST's network from params.yaml) with the same optimiser and global batch,
 for the same number of steps from a cold start, on the same slice of real MNIST:
 
 - conventional: torchvision's MNIST dataset, ToTensor + Normalize per sample, a DataLoader
@@ -40,7 +40,7 @@ from pipeline import malloc, mnist, parallel  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.batches import prepared_split  # noqa: E402
 from pipeline.loop import Training, evaluate, to_device, train  # noqa: E402
-from pipeline.model import build_model  # noqa: E402
+from pipeline.workloads import load_workload  # noqa: E402
 from pipeline.prepared import Split  # noqa: E402
 
 import mnist_data  # noqa: E402  (benchmarks/, this script's folder)
@@ -57,7 +57,7 @@ def torchvision_root(source: Path, dest: Path) -> Path:
     return dest
 
 
-def conventional(rank: parallel.Rank, config, root: Path, steps: int, mean: float, std: float) -> float:
+def conventional(rank: parallel.Rank, config, workload, root: Path, steps: int, mean: float, std: float) -> float:
     from torch.utils.data import DataLoader, Subset
     from torch.utils.data.distributed import DistributedSampler
     from torchvision import datasets, transforms
@@ -75,7 +75,7 @@ def conventional(rank: parallel.Rank, config, root: Path, steps: int, mean: floa
     else:
         loader = DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=0)
     torch.manual_seed(config.seed)
-    model = build_model(config.model)
+    model = load_workload(workload).build_model()
     wrapped = parallel.wrap(model, "ddp" if rank.world_size > 1 else "single", torch.device("cpu"))
     optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
     started = time.perf_counter()
@@ -88,18 +88,19 @@ def conventional(rank: parallel.Rank, config, root: Path, steps: int, mean: floa
     return steps * config.batch_size / elapsed
 
 
-def ours(rank: parallel.Rank, config, train_split: Split, val_split: Split, mean: float, std: float,
+def ours(rank: parallel.Rank, config, workload, train_split: Split, val_split: Split, mean: float, std: float,
          out: Path) -> float:
     device = torch.device("cpu")
-    run = Training(replace(config, epochs=1), "ddp" if rank.world_size > 1 else "single", rank, device, out)
+    run = Training(replace(config, epochs=1), "ddp" if rank.world_size > 1 else "single", rank, device, out,
+                   workload=workload)
     _, history = train(run, to_device(train_split, mean, std, device), to_device(val_split, mean, std, device))
     return history[-1]["samples_per_s"]
 
 
-def ours_loaded(rank: parallel.Rank, config, data_dir: Path, mean: float, std: float, out: Path) -> float:
+def ours_loaded(rank: parallel.Rank, config, workload, data_dir: Path, mean: float, std: float, out: Path) -> float:
     device = torch.device("cpu")
     run = Training(replace(config, epochs=1, loader="dataloader"), "ddp" if rank.world_size > 1 else "single", rank,
-                   device, out)
+                   device, out, workload=workload)
     train_data, val_data = (prepared_split(data_dir, name, mean, std, device, "dataloader", config.loader_workers)
                             for name in ("train", "val"))
     _, history = train(run, train_data, val_data)
@@ -107,14 +108,15 @@ def ours_loaded(rank: parallel.Rank, config, data_dir: Path, mean: float, std: f
     return history[-1]["samples_per_s"]
 
 
-def full_default_run(rank: parallel.Rank, config, splits: dict[str, Split], mean: float, std: float,
+def full_default_run(rank: parallel.Rank, config, workload, splits: dict[str, Split], mean: float, std: float,
                      out: Path) -> tuple[float, float]:
     device = torch.device("cpu")
     data = {name: to_device(split, mean, std, device) for name, split in splits.items()}
     mode = "ddp" if rank.world_size > 1 else "single"
-    model, history = train(Training(config, mode, rank, device, out), data["train"], data["val"])
-    sums = evaluate(model, data["test"], torch.arange(len(data["test"])), config.eval_batch_size)
-    return sum(m["train_time_s"] for m in history), (sums[1] / sums[2]).item()
+    model, history = train(Training(config, mode, rank, device, out, workload=workload), data["train"], data["val"])
+    sums = evaluate(model, data["test"], torch.arange(len(data["test"])), config.eval_batch_size,
+                    workload=load_workload(workload))
+    return sum(m["train_time_s"] for m in history), (sums["accuracy"] / sums["count"]).item()
 
 
 def worker(local_rank: int, world_size: int, port: int, job: str, args: tuple, results) -> None:
@@ -175,21 +177,21 @@ def main() -> None:
         for label, world in ((f"single (1x{cpus})", 1), (f"ddp ({args.ranks}x1)", args.ranks)):
             conv, our, loaded = [], [], []
             for _ in range(args.repeats):  # interleaved, so a slow spell of the machine hits all three
-                conv.append(measure("conventional", world, config.train, root, args.steps, mean, std))
-                our.append(measure("ours", world, config.train, bench_train, tiny_val, mean, std,
+                conv.append(measure("conventional", world, config.train, config.workload, root, args.steps, mean, std))
+                our.append(measure("ours", world, config.train, config.workload, bench_train, tiny_val, mean, std,
                                    tmp / f"ours-{world}"))
-                loaded.append(measure("ours_loaded", world, config.train, prepared, mean, std,
+                loaded.append(measure("ours_loaded", world, config.train, config.workload, prepared, mean, std,
                                       tmp / f"loaded-{world}"))
             rows.append((label, statistics.median(conv), statistics.median(our), statistics.median(loaded)))
         full = {}
         for label, world in ((f"single (1x{cpus})", 1), (f"ddp ({args.ranks}x1)", args.ranks)):
             if args.no_full:
                 break
-            full[label] = measure("full", world, config.train, {"train": train_split, "val": val_split, "test": test},
+            full[label] = measure("full", world, config.train, config.workload, {"train": train_split, "val": val_split, "test": test},
                                   mean, std, tmp / f"full-{world}")
 
     print(f"\nTraining throughput, samples/s (median of {args.repeats} x {args.steps} steps, global batch "
-          f"{config.train.batch_size}, model {config.train.model}, {cpus} CPU cores)\n")
+          f"{config.train.batch_size}, model {config.workload.init_args.get('model')}, {cpus} CPU cores)\n")
     print(f"| setup | conventional | ours | ours, DataLoader ({config.train.loader_workers} workers) | "
           "ours / conventional | DataLoader / conventional |")
     print("|---|---:|---:|---:|---:|---:|")

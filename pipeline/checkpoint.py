@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import TrainConfig
+from pipeline.config import TrainConfig, WorkloadConfig
 from pipeline.errors import PipelineError
 from pipeline.parallel import Rank, all_gather_objects, broadcast_object
 from pipeline.record import code_file_digests, file_digest
@@ -22,19 +22,31 @@ MODEL_FILE = "model.pt"
 # bf16 changes every step's rounding; deterministic decides whether the bits repeat at all.)
 # (grad_accum_steps sums each step's gradient in other parts: other rounding. fp16 rounds otherwise
 # and skips the steps whose gradients overflowed.)
-TRAJECTORY_KEYS = ("model", "epochs", "batch_size", "optimizer", "schedule", "lr", "momentum", "weight_decay",
-                   "max_grad_norm", "grad_accum_steps", "label_smoothing", "seed", "bf16", "fp16", "deterministic")
+# The workload (its class and arguments: the model, the loss) shapes it too.
+TRAJECTORY_KEYS = ("epochs", "batch_size", "optimizer", "schedule", "lr", "momentum", "weight_decay",
+                   "max_grad_norm", "grad_accum_steps", "seed", "bf16", "fp16", "deterministic")
 # What a checkpoint saved before the optimizer, the schedule, clipping, accumulation and fp16 were
 # settings trained with.
 TRAJECTORY_BEFORE = {"optimizer": "adam", "schedule": "onecycle", "momentum": None, "max_grad_norm": 0.0,
                      "grad_accum_steps": 1, "fp16": False}
 
 
-def trajectory(config: TrainConfig, mode: str) -> dict[str, Any]:
+def trajectory(config: TrainConfig, mode: str, workload: WorkloadConfig = WorkloadConfig()) -> dict[str, Any]:
     settings = asdict(config)
     if config.optimizer != "sgd":
         settings["momentum"] = None  # SGD's alone: a change under Adam changes nothing trained
-    return {"mode": mode, **{key: settings[key] for key in TRAJECTORY_KEYS}}
+    return {"mode": mode, "workload": {"class_path": workload.class_path, "init_args": dict(workload.init_args)},
+            **{key: settings[key] for key in TRAJECTORY_KEYS}}
+
+
+def _as_workload(saved: dict[str, Any]) -> dict[str, Any]:
+    """A trajectory from before workloads were named: MNIST's, its model and label smoothing then
+    train settings."""
+    if "workload" in saved or "model" not in saved:
+        return saved
+    rest = {key: value for key, value in saved.items() if key not in ("model", "label_smoothing")}
+    return {**rest, "workload": {"class_path": WorkloadConfig().class_path,
+                                 "init_args": {"model": saved["model"], "label_smoothing": saved.get("label_smoothing")}}}
 
 
 # What the loop saves each epoch: a file without them was written by other code.
@@ -89,7 +101,7 @@ def check_schedule_length(state: dict[str, Any], planned: int, path: Path) -> No
 
 def settings_changed(state: dict[str, Any], expected: dict[str, Any]) -> str:
     """'key: saved -> now, ...' for each trajectory setting that differs; '' if none."""
-    saved = {**TRAJECTORY_BEFORE, **state.get("trajectory", {})}
+    saved = {**TRAJECTORY_BEFORE, **_as_workload(state.get("trajectory", {}))}
     # A key this code does not know (a later version's setting) differs too: its training may not
     # be one this code can continue.
     return ", ".join(f"{k}: {saved.get(k)!r} -> {expected.get(k)!r}" for k in sorted(expected.keys() | saved.keys())

@@ -19,7 +19,6 @@ import yaml
 from pipeline.errors import ConfigError
 
 MODES = ("single", "dp", "ddp")
-MODELS = ("small", "classic")
 LAUNCHERS = ("local", "slurm")
 DEVICES = ("auto", "cuda", "cpu")
 OPTIMIZERS = ("adam", "adamw", "sgd")  # built by pipeline.optim
@@ -68,7 +67,6 @@ class TrainConfig:
         default=MODES,
         metadata=_rule(lambda v: len(v) > 0 and set(v) <= set(MODES), f"a non-empty list of {MODES}"),
     )
-    model: str = field(default="small", metadata=_rule(lambda v: v in MODELS, f"one of {MODELS}"))
     epochs: int = field(default=1, metadata=_at_least(1))
     # The global batch: the same in every mode; DDP splits it across ranks.
     batch_size: int = field(default=128, metadata=_at_least(1))
@@ -88,9 +86,6 @@ class TrainConfig:
     # Also checkpoint every this many steps, mid-epoch (0: at each epoch's end only). A resume goes on
     # from the next step, with the same weights, bit for bit, as an uninterrupted training's.
     checkpoint_every_steps: int = field(default=0, metadata=_at_least(0))
-    # Cross-entropy against targets that give this much weight to the other classes: a per-sample
-    # change to the loss, so the modes still see the same function of the same batches.
-    label_smoothing: float = field(default=0.1, metadata=_rule(lambda v: 0 <= v < 1, "from 0 up to, not including, 1"))
     seed: int = field(default=42, metadata=_SEED)
     # DDP workers on this node (with slurm: on each node); 0 = one per GPU, or 2 on a CPU-only host
     # (under slurm: one per GPU Slurm gives the node, else 1).
@@ -143,6 +138,26 @@ class TrainConfig:
             raise ConfigError(f"train.grad_accum_steps = {self.grad_accum_steps} is more than train.batch_size = "
                               f"{self.batch_size}, so some micro-batches would hold no sample; allowed: "
                               "train.grad_accum_steps <= train.batch_size")
+
+
+# A Python name (a module, a class): letters, digits and underscores, not starting with a digit.
+_IDENTIFIER = r"[A-Za-z_][A-Za-z0-9_]*"
+_CLASS_PATH = re.compile(rf"{_IDENTIFIER}(\.{_IDENTIFIER})+")
+_IDENTIFIER_RE = re.compile(_IDENTIFIER)
+MNIST_WORKLOAD = "pipeline.workloads.mnist.Mnist"
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    # What trains (pipeline.workloads): a class named by its import path, from this package or from
+    # a module of the project's own, built with init_args as its keyword arguments (its model, its
+    # loss, its metrics). It is imported, built and tried on its own example batch before anything
+    # on disk changes.
+    class_path: str = field(default=MNIST_WORKLOAD, metadata=_rule(
+        lambda v: bool(_CLASS_PATH.fullmatch(v)), "an import path, module.Class (e.g. examples.tabular.Regression)"))
+    init_args: dict = field(default_factory=lambda: {"model": "small", "label_smoothing": 0.1}, metadata=_rule(
+        lambda v: all(isinstance(k, str) and _IDENTIFIER_RE.fullmatch(k) for k in v),
+        "a mapping of keyword-argument names to values"))
 
 
 @dataclass(frozen=True)
@@ -211,12 +226,14 @@ class CompareConfig:
                               "entries; allowed: one of each per link")
 
 
-SECTIONS: dict[str, type] = {"data": DataConfig, "commcheck": CommcheckConfig, "train": TrainConfig,
+SECTIONS: dict[str, type] = {"workload": WorkloadConfig, "data": DataConfig, "commcheck": CommcheckConfig,
+                             "train": TrainConfig,
                              "tracking": TrackingConfig, "evaluate": EvaluateConfig, "compare": CompareConfig}
 
 
 @dataclass(frozen=True)
 class Config:
+    workload: WorkloadConfig = WorkloadConfig()
     data: DataConfig = DataConfig()
     commcheck: CommcheckConfig = CommcheckConfig()
     train: TrainConfig = TrainConfig()
@@ -234,6 +251,8 @@ def _type_ok(value: Any, hint: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is str:
         return isinstance(value, str)
+    if hint is dict:
+        return isinstance(value, dict)
     if typing.get_origin(hint) is tuple:
         (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
         return isinstance(value, (list, tuple)) and all(_type_ok(v, item) for v in value)
@@ -258,7 +277,7 @@ def _as_number(value: Any, hint: Any) -> Any:
 def _type_name(hint: Any) -> str:
     if typing.get_origin(hint) is tuple:
         return f"a list of {typing.get_args(hint)[0].__name__}"
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[hint]
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}[hint]
 
 
 def _build_section(name: str, cls: type, raw: Any, source: str) -> Any:
@@ -348,5 +367,15 @@ def flatten(config: Config) -> dict[str, Any]:
     flat = {}
     for section in dataclasses.fields(config):
         for key, value in dataclasses.asdict(getattr(config, section.name)).items():
-            flat[f"{section.name}.{key}"] = list(value) if isinstance(value, tuple) else value
+            _flatten_into(flat, f"{section.name}.{key}", value)
     return flat
+
+
+def _flatten_into(flat: dict[str, Any], name: str, value: Any) -> None:
+    """A mapping (workload.init_args) as one key per leaf, as DVC names nested params
+    (`workload.init_args.model`); an empty one stays, so that its key is there."""
+    if isinstance(value, dict) and value:
+        for key, item in value.items():
+            _flatten_into(flat, f"{name}.{key}", item)
+    else:
+        flat[name] = list(value) if isinstance(value, tuple) else value

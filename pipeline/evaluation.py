@@ -6,13 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeline.errors import PipelineError
-from pipeline.model import MODELS, build_model
 from pipeline.plotting import pyplot
 from pipeline.prepared import NUM_CLASSES
+from pipeline.workloads import Workload, default_workload, saved_workload
 
 
 @dataclass(frozen=True)
@@ -20,6 +19,7 @@ class TrainedModel:
     module: nn.Module
     mean: float
     std: float
+    workload: Workload  # what built it: its loss is the one evaluated
 
 
 @dataclass(frozen=True)
@@ -39,32 +39,37 @@ class Evaluation:
         }
 
 
-def load_trained_model(path: Path) -> TrainedModel:
-    """The model a train stage saved; a missing or damaged file is an error that names it."""
+def load_trained_model(path: Path, allow: str | None = None) -> TrainedModel:
+    """The model a train stage saved, built by the workload it names (`allow`: a class path outside
+    this package that the project's params name); a missing or damaged file is an error that names it."""
     if not path.is_file():
         raise PipelineError(f"{path}: missing; train this mode first (mnist-pipeline train, or dvc repro)")
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
-        if saved.get("model") not in MODELS:
-            raise ValueError(f"unknown architecture {saved.get('model')!r}")
-        module = build_model(saved["model"])
+        workload = saved_workload(saved, path, allow)
+        module = workload.build_model()
         module.load_state_dict(saved["state_dict"])
         norm = saved["normalization"]
-        return TrainedModel(module, float(norm["mean"]), float(norm["std"]))
+        return TrainedModel(module, float(norm["mean"]), float(norm["std"]), workload)
+    except PipelineError:
+        raise
     except Exception as exc:
         raise PipelineError(f"{path}: not a usable model file ({exc}); train this mode again") from None
 
 
 @torch.no_grad()
-def evaluate_model(module: nn.Module, data, batch_size: int, device: torch.device | None = None) -> Evaluation:
+def evaluate_model(module: nn.Module, data, batch_size: int, device: torch.device | None = None,
+                   workload: Workload | None = None) -> Evaluation:
     """`data`: a loop.DeviceSplit, or a batches.Loaded that reads the same batches from disk; `device`:
-    the model's (by default the in-memory data's)."""
+    the model's (by default the in-memory data's); `workload`: whose evaluation loss (by default
+    MNIST's cross-entropy). The scores are a classifier's: accuracy, per class, the confusion matrix."""
+    workload = workload or default_workload()
     module.eval()
     predictions, labels_seen = [], []
     loss = torch.zeros((), dtype=torch.float64, device=device or data.index_device)
     for images, labels in data.feed(torch.arange(len(data), device=data.index_device).split(batch_size)):
         logits = module(images).float()
-        loss += F.cross_entropy(logits, labels, reduction="sum")
+        loss += workload.eval_loss(logits, labels)
         predictions.append(logits.argmax(1))
         labels_seen.append(labels)
     predicted = torch.cat(predictions).cpu()

@@ -31,7 +31,6 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
@@ -39,9 +38,8 @@ from pipeline.atomic import save_torch
 from pipeline.breakdown import Probe, timeline
 from pipeline import hostload
 from pipeline.checkpoint import CHECKPOINT_FILE, check_schedule_length, other_world, trajectory
-from pipeline.config import TrainConfig
+from pipeline.config import TrainConfig, WorkloadConfig
 from pipeline.errors import PipelineError
-from pipeline.model import build_model
 from pipeline.optim import build_optimizer, build_schedule
 from pipeline.parallel import (
     Rank,
@@ -56,6 +54,7 @@ from pipeline.parallel import (
 from pipeline.precision import autocast_dtype, grad_scaler, with_autocast
 from pipeline.preemption import Notice, say_stopped
 from pipeline.prepared import Split, normalised
+from pipeline.workloads import Workload, default_workload, load_workload
 
 log = logging.getLogger(__name__)
 
@@ -131,19 +130,35 @@ def weight_checksum(module: nn.Module) -> float:
     return float((flat * torch.linspace(1.0, 2.0, len(flat), dtype=torch.float64)).sum())
 
 
+def add_scores(sums: dict[str, torch.Tensor], scores: dict[str, torch.Tensor]) -> None:
+    """Adds a batch's summed scores into float64 running sums (exact for counts), made at the first."""
+    for name, value in scores.items():
+        if name not in sums:
+            sums[name] = torch.zeros((), dtype=torch.float64, device=value.device)
+        sums[name] += value
+
+
+def stacked(sums: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    return torch.stack([sums[name] for name in names])
+
+
 @torch.no_grad()
 def evaluate(module: nn.Module, data: Data, indices: torch.Tensor, batch_size: int,
-             device: torch.device | None = None) -> torch.Tensor:
-    """Sums of (loss, correct, count) over `indices`, as one tensor ready for all_reduce, on `device`
-    (by default the in-memory data's)."""
+             device: torch.device | None = None, workload: Workload | None = None) -> dict[str, torch.Tensor]:
+    """Sums over `indices` of the workload's evaluation loss ("loss"), of each of its metrics, and
+    the count ("count"), float64, on `device` (by default the in-memory data's): the same names on
+    every rank, so `stacked` in sorted order is ready for all_reduce."""
+    workload = workload or default_workload()
     was_training = module.training
     module.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=device or data.index_device)
-    for images, labels in data.feed(indices.to(data.index_device).split(batch_size)):
-        logits = module(images)
-        sums[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        sums[1] += (logits.argmax(1) == labels).sum()
-        sums[2] += len(labels)
+    device = device or data.index_device
+    sums = {"loss": torch.zeros((), dtype=torch.float64, device=device),
+            "count": torch.zeros((), dtype=torch.float64, device=device)}
+    for inputs, targets in data.feed(indices.to(data.index_device).split(batch_size)):
+        outputs = module(inputs).float()  # in float32 whatever the autocast: what the loss and scores read
+        sums["loss"] += workload.eval_loss(outputs, targets)
+        add_scores(sums, workload.metrics(outputs, targets))
+        sums["count"] += len(targets)
     module.train(was_training)
     return sums
 
@@ -172,13 +187,15 @@ class Training:
     extra_state: dict[str, Any] = field(default_factory=dict)
     # 0: nothing per step; N: keep this rank's loss every N steps, reported with the epoch.
     log_every_n_steps: int = 0
+    # What trains (params.yaml's workload section): its model, loss and metrics.
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
 
 
-def build(config: TrainConfig, steps: int, device: torch.device):
-    """The bare model with its optimizer and schedule; `wrap_for_mode` wraps it once any saved
-    state is loaded, so DDP's first broadcast already sends the resumed weights."""
+def build(config: TrainConfig, steps: int, device: torch.device, workload: Workload | None = None):
+    """The workload's bare model (by default MNIST's) with its optimizer and schedule; `wrap_for_mode`
+    wraps it once any saved state is loaded, so DDP's first broadcast already sends the resumed weights."""
     torch.manual_seed(config.seed)  # identical initial weights on every rank and in every mode
-    model = build_model(config.model).to(device)
+    model = (workload or default_workload()).build_model().to(device)
     if device.type == "cuda" and config.channels_last:
         model = model.to(memory_format=torch.channels_last)
     optimizer = build_optimizer(model.parameters(), config)
@@ -205,17 +222,18 @@ def settle_gradient_buckets(wrapped: nn.Module, data: Data) -> None:
     wrapped.zero_grad(set_to_none=True)
 
 
-def share_loss(logits: torch.Tensor, labels: torch.Tensor, batch_len: int, world_size: int,
-               label_smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
+def share_loss(outputs: torch.Tensor, targets: torch.Tensor, batch_len: int, world_size: int,
+               loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(the loss to differentiate, the sum of the per-sample losses) for one rank's share of a
-    global batch of `batch_len` samples.
+    global batch of `batch_len` samples; `loss`: the workload's, summed over the samples, fed the
+    outputs in float32 whatever the autocast.
 
     The sum is divided by batch_len / world_size, not by the share's own length: DDP averages the
     ranks' gradients, and the average over W of (sum_r / (L/W)) is the whole batch's sum / L, its
     mean loss, however unevenly the batch was shared. With W = 1 (single, and DataParallel, whose
-    loss sees the gathered outputs of every GPU) it is the batch's mean. Label smoothing acts per
-    sample, so the sum is the same sum a single device takes."""
-    sample_losses = F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing, reduction="sum")
+    loss sees the gathered outputs of every GPU) it is the batch's mean. A loss made of per-sample
+    terms (MNIST's label smoothing is one) sums to what a single device takes."""
+    sample_losses = loss(outputs.float(), targets)
     return sample_losses / (batch_len / world_size), sample_losses.detach()
 
 
@@ -229,13 +247,15 @@ def micro_batches(share: torch.Tensor, count: int) -> list[torch.Tensor]:
 
 
 def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch.Tensor, global_batch: int,
-              rank: Rank, probe: Probe, show_bar: bool, desc: str, label_smoothing: float, max_grad_norm: float = 0.0,
-              grad_accum_steps: int = 1, partial: dict | None = None, after_step: Callable | None = None,
-              scaler: torch.amp.GradScaler | None = None, device: torch.device | None = None):
-    """One pass over this rank's shares of the epoch's global batches; returns (loss sum, correct
-    count, each step's loss summed over this rank's share, the steps whose gradient was clipped)
-    still on the device, as a .item() per step would sync every step, and each step's share length
-    (0: this rank had no sample that step).
+              rank: Rank, probe: Probe, show_bar: bool, desc: str, workload: Workload | None = None,
+              max_grad_norm: float = 0.0, grad_accum_steps: int = 1, partial: dict | None = None,
+              after_step: Callable | None = None, scaler: torch.amp.GradScaler | None = None,
+              device: torch.device | None = None):
+    """One pass over this rank's shares of the epoch's global batches, under the workload's loss (by
+    default MNIST's); returns (loss sum, the workload's metrics summed (add_scores), each step's
+    loss summed over this rank's share, the steps whose gradient was clipped) still on the device,
+    as a .item() per step would sync every step, and each step's share length (0: this rank had no
+    sample that step).
 
     `grad_accum_steps` > 1 runs each share as that many micro-batches, forward and backward in turn,
     their gradients summed in place before one optimizer step. Each micro-batch's loss is divided by
@@ -248,7 +268,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
     the same all-reduced gradient by then, so each clips it alike, as one device would.
 
     `partial`: this rank's part of a mid-epoch checkpoint (its sums over the steps before it), from
-    which the epoch goes on at step `partial["step"]`. `after_step(i, loss_sum, correct, clipped,
+    which the epoch goes on at step `partial["step"]`. `after_step(i, loss_sum, scores, clipped,
     losses, shares)` runs after each step i (0-based), to checkpoint.
 
     `scaler` (train.fp16: precision.grad_scaler) scales each micro-batch's loss before its backward
@@ -258,16 +278,18 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
 
     `device`: where the model is (by default the in-memory data's); `order` is on data.index_device."""
     device = device or data.index_device
+    workload = workload or default_workload()
     batches = global_batches(order, global_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    correct = torch.zeros((), dtype=torch.int64, device=device)
+    scores: dict[str, torch.Tensor] = {}
     clipped = torch.zeros((), dtype=torch.int64, device=device)
     losses = torch.empty(len(batches), dtype=torch.float32, device=device)
     shares, start = [], 0
     if partial is not None:  # the same sums, to the bit, as the uninterrupted epoch had at this step
         start = partial["step"]
         loss_sum.copy_(partial["loss_sum"])
-        correct.copy_(partial["correct"])
+        kept = partial["scores"] if "scores" in partial else {"accuracy": partial["correct"]}  # MNIST's, from before
+        add_scores(scores, {name: value.to(device) for name, value in kept.items()})
         clipped.copy_(partial["clipped"])
         losses[:start] = partial["losses"].to(device)
         shares = list(partial["shares"])
@@ -284,18 +306,18 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
         parts = [next(feed) for _ in part_indices]
         probe.phase("forward")
         step_losses = None  # the share's summed loss
-        for j, (images, labels) in enumerate(parts):
+        for j, (inputs, targets) in enumerate(parts):
             last = j == len(parts) - 1
             with nullcontext() if last else hold_back():
-                logits = wrapped(images)  # in the configured precision: the model enters autocast itself
-                loss, sample_losses = share_loss(logits, labels, len(batch), rank.world_size, label_smoothing)
+                outputs = wrapped(inputs)  # in the configured precision: the model enters autocast itself
+                loss, sample_losses = share_loss(outputs, targets, len(batch), rank.world_size, workload.loss)
                 if j == 0:
                     optimizer.zero_grad(set_to_none=True)
                 if last:
                     probe.phase("backward")
                 (loss if scaler is None else scaler.scale(loss)).backward()
             step_losses = sample_losses if step_losses is None else step_losses + sample_losses
-            correct += (logits.detach().argmax(1) == labels).sum()
+            add_scores(scores, workload.metrics(outputs.detach().float(), targets))
         probe.phase("optimizer")
         if scaler is not None:
             scaler.unscale_(optimizer)  # the true gradient, for clipping (an overflow leaves inf: not stepped)
@@ -317,14 +339,14 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
         probe.end_step()
         loss_sum += step_losses
         losses[i] = step_losses
-        shares.append(sum(len(labels) for _, labels in parts))
+        shares.append(sum(len(targets) for _, targets in parts))
         if after_step is not None:
-            after_step(i, loss_sum, correct, clipped, losses, shares)
+            after_step(i, loss_sum, scores, clipped, losses, shares)
         if pause:
             time.sleep(pause)
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the epoch's time must include its queued kernels
-    return loss_sum, correct, losses, clipped, shares
+    return loss_sum, scores, losses, clipped, shares
 
 
 LOSS_WINDOWS_PER_EPOCH = 20
@@ -361,7 +383,8 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
     config, rank, device = run.config, run.rank, run.device
     check_world_size(config.batch_size, rank.world_size, config.grad_accum_steps)
     steps = steps_per_epoch(len(train_split), config.batch_size)
-    model, optimizer, scheduler = build(config, config.epochs * steps, device)
+    workload = load_workload(run.workload)
+    model, optimizer, scheduler = build(config, config.epochs * steps, device, workload)
     scaler = grad_scaler(device, config.fp16)
     checkpoint_path = run.out_dir / CHECKPOINT_FILE
 
@@ -417,10 +440,10 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
             # A resumed epoch's steps before the resume ran in another process: its breakdown is not measured.
             probe.start_epoch(steps, measure=epoch == config.epochs - 1 and resumed is None)
 
-            loss_sum, correct, losses, clipped, shares = run_epoch(
+            loss_sum, scores, losses, clipped, shares = run_epoch(
                 wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
                 probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
-                label_smoothing=config.label_smoothing, max_grad_norm=config.max_grad_norm,
+                workload=workload, max_grad_norm=config.max_grad_norm,
                 grad_accum_steps=config.grad_accum_steps, partial=resumed, scaler=scaler, device=device,
                 after_step=step_checkpoints(run, model, optimizer, scheduler, scaler, history, epoch, steps,
                                             lambda: rng_states(rng_devices), started - carried_s, notice))
@@ -437,12 +460,15 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
             steady_samples = sum(shares[config.throughput_warmup_steps:probe.steady_end])
             # Each step's loss sum rides along in the epoch's one all_reduce: the loss curve of the
             # global batches (loss_windows), the same in every mode.
-            sums = all_sum(torch.cat([torch.stack([loss_sum, correct.double(), loss_sum.new_tensor(rank_samples),
-                                                   loss_sum.new_tensor(steady_samples)]), losses.double()]), rank)
-            train_sums, step_sums = sums[:4], sums[4:].tolist()
+            names = sorted(scores)  # the workload's metrics, in the same order on every rank
+            sums = all_sum(torch.cat([torch.stack([loss_sum, loss_sum.new_tensor(rank_samples),
+                                                   loss_sum.new_tensor(steady_samples)]),
+                                      stacked(scores, names), losses.double()]), rank)
+            train_sums, train_scores, step_sums = sums[:3], sums[3:3 + len(names)], sums[3 + len(names):].tolist()
             losses = losses.tolist()  # one copy per epoch
             check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
-            val_sums = all_sum(evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size, device), rank)
+            val = evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size, device, workload)
+            val_sums = dict(zip(sorted(val), all_sum(stacked(val, sorted(val)), rank)))
             epoch_time = time.perf_counter() - started + carried_s
             breakdown = probe.results()  # before the clock's totals, which clear its marks
             if breakdown is not None and probe.trace_file is not None:
@@ -460,14 +486,16 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
             slowest = max(train_times)  # the slowest rank sets the pace of a synchronous step
             metrics = {
                 "epoch": epoch + 1,
-                "train_loss": (train_sums[0] / train_sums[2]).item(),
-                "train_accuracy": (train_sums[1] / train_sums[2]).item(),
-                "val_loss": (val_sums[0] / val_sums[2]).item(),
-                "val_accuracy": (val_sums[1] / val_sums[2]).item(),
-                "samples_per_s": train_sums[2].item() / slowest,
+                "train_loss": (train_sums[0] / train_sums[1]).item(),
+                # The workload's metrics, each a sum over the samples divided by their count.
+                **{f"train_{name}": (value / train_sums[1]).item() for name, value in zip(names, train_scores)},
+                "val_loss": (val_sums["loss"] / val_sums["count"]).item(),
+                **{f"val_{name}": (val_sums[name] / val_sums["count"]).item() for name in names},
+                "scores": names,
+                "samples_per_s": train_sums[1].item() / slowest,
                 "train_time_s": slowest,
                 # None when the epoch has no step after the warm-up.
-                "steady_samples_per_s": (train_sums[3].item() / max(steady_times)
+                "steady_samples_per_s": (train_sums[2].item() / max(steady_times)
                                          if None not in steady_times and max(steady_times) > 0 else None),
                 "steady_time_s": max(steady_times) if None not in steady_times else None,
                 "epoch_time_s": max(epoch_times),
@@ -556,16 +584,17 @@ def checkpoint_state(model: nn.Module, optimizer, scheduler, scaler, epochs_done
         **({"scaler": scaler.state_dict()} if scaler is not None else {}),
         "epoch": epochs_done,
         "history": history,
-        "trajectory": trajectory(config, run.mode),
+        "trajectory": trajectory(config, run.mode, run.workload),
         "extra": run.extra_state,
     }
 
 
-def in_epoch_sums(step: int, loss_sum: torch.Tensor, correct: torch.Tensor, clipped: torch.Tensor,
+def in_epoch_sums(step: int, loss_sum: torch.Tensor, scores: dict[str, torch.Tensor], clipped: torch.Tensor,
                   losses: torch.Tensor, shares: list[int], rng: dict, wall_s: float) -> dict[str, Any]:
     """One rank's part of a mid-epoch checkpoint: its sums over the epoch's first `step` steps, its
     random generators' states and its time so far, on the CPU."""
-    return {"step": step, "loss_sum": loss_sum.cpu(), "correct": correct.cpu(), "clipped": clipped.cpu(),
+    return {"step": step, "loss_sum": loss_sum.cpu(), "scores": {name: value.cpu() for name, value in scores.items()},
+            "clipped": clipped.cpu(),
             "losses": losses[:step].cpu(), "shares": list(shares), "rng": rng, "wall_s": wall_s}
 
 

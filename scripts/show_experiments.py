@@ -15,7 +15,7 @@ import sys
 import unicodedata
 
 MODES = ("single", "dp", "ddp")  # pipeline.config's order; this script runs without the package
-PARAMS = ("train.model", "train.epochs", "train.batch_size", "train.lr", "train.nproc", "train.device")
+PARAMS = ("workload.init_args.model", "train.epochs", "train.batch_size", "train.lr", "train.nproc", "train.device")
 COLUMNS = (("accuracy", "test acc", "{:.2%}"), ("samples_per_s", "samples/s", "{:,.0f}"),
            ("speedup", "speed-up (95%)", "{:.2f}x"), ("train_time_s", "train time", "{:.1f} s"),
            ("timing_warnings", "warnings", "{:.0f}"))  # what compare warned of (reports/comparison.md says)

@@ -11,8 +11,8 @@ import click
 
 from pipeline import comm, parallel
 from pipeline.atomic import write_json
-from pipeline.config import Config, flatten, load_config
-from pipeline.model import build_model
+from pipeline.config import Config, WorkloadConfig, flatten, load_config
+from pipeline.workloads import load_workload, workload_of
 from pipeline.tracking.runs import start_mode_run, until_done
 from pipeline.tracking.store import check_store, check_worker_store, tracking_uri
 from stages.common import echo_detail, params_option, verbose
@@ -53,9 +53,9 @@ def per_primitive(rows: list[dict], primitives: tuple[str, ...], per_rank: list[
     return summary
 
 
-def gradient_bytes(model: str) -> int:
-    """What DDP all-reduces each step: the model's float32 gradients."""
-    return sum(p.numel() * 4 for p in build_model(model).parameters())
+def gradient_bytes(workload: WorkloadConfig) -> int:
+    """What DDP all-reduces each step: the workload's model's float32 gradients."""
+    return sum(p.numel() * 4 for p in load_workload(workload).build_model().parameters() if p.requires_grad)
 
 
 def run_worker(config: Config) -> None:
@@ -71,7 +71,7 @@ def run_worker(config: Config) -> None:
         runs = start_mode_run(config.tracking, "commcheck", rank,
                               run_facts("commcheck", rank, device, distributed=True), params)
         with until_done(runs):
-            mine = comm.sweep(rank, device, config.commcheck, reach={"all_reduce": gradient_bytes(config.train.model)})
+            mine = comm.sweep(rank, device, config.commcheck, reach={"all_reduce": gradient_bytes(config.workload)})
             per_rank = parallel.all_gather_objects(mine, rank)
             devices = parallel.all_gather_objects(parallel.device_name(device), rank)
             rows = comm.summarize(per_rank, rank.world_size)
@@ -132,6 +132,7 @@ def commcheck(params_path: str) -> None:
                    "torch.distributed)")
     else:
         parallel.check_every_mode(config.train)
+        workload_of(config.workload)  # its model sizes the all_reduce: a broken one is said here, not by every rank
         if config.tracking.enabled:
             check_store(tracking_uri())
         command = ["commcheck", "--params", params_path]

@@ -37,7 +37,7 @@ def evaluate_mode(config: Config, mode: str, trained: TrainedModel, data_dir: Pa
     # Read as train.loader has the training read its splits (the same batches, the same numbers).
     images = prepared_split(data_dir, "test", trained.mean, trained.std, device, config.train.loader,
                             config.train.loader_workers)
-    result = evaluate_model(trained.module.to(device), images, config.evaluate.batch_size, device)
+    result = evaluate_model(trained.module.to(device), images, config.evaluate.batch_size, device, trained.workload)
     images.close()
 
     write_json(RESULTS_DIR / f"{mode}.json", result.summary())
@@ -63,7 +63,8 @@ def evaluate(params_path: str, modes: tuple[str, ...], data_dir: str) -> None:
     config = load_config(params_path)
     modes = tuple(dict.fromkeys(modes)) or config.train.modes  # each once, in the order given
     # Every model first: a missing or damaged one fails the stage before anything is written.
-    trained = {mode: load_trained_model(model_dir(mode) / MODEL_FILE) for mode in modes}
+    trained = {mode: load_trained_model(model_dir(mode) / MODEL_FILE, allow=config.workload.class_path)
+               for mode in modes}
     if config.tracking.enabled:
         check_store(tracking_uri())
     if slurm.launcher(config) == "slurm":  # on a node like the ones that trained

@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline import checkpoint, gpus, parallel, record
+from pipeline import checkpoint, gpus, parallel, record, workloads
 from pipeline.runtime import forkserver, lockfile
 from pipeline.atomic import in_the_way, save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, resume_state, trajectory
@@ -48,8 +48,13 @@ CURVES_DIR = Path("plots/train")
 STEPS_DIR = Path("plots/steps")
 BREAKDOWN_DIR = Path("results/breakdown")
 RUN_FILES = "run-files"  # in models/<mode>: what the parent run gets besides the model and checkpoint
-CURVE_COLUMNS = ("epoch", "train_loss", "train_accuracy", "val_loss", "val_accuracy", "samples_per_s", "train_time_s",
-                 "epoch_time_s")  # epoch_time_s: with the validation
+TIME_COLUMNS = ("samples_per_s", "train_time_s", "epoch_time_s")  # epoch_time_s: with the validation
+
+
+def quality_keys(m: dict) -> list[str]:
+    """An epoch's losses and the workload's metrics (MNIST: accuracy), as the loop names them."""
+    scores = m.get("scores", ["accuracy"])  # a history from before workloads were named: MNIST's
+    return ["train_loss", *(f"train_{s}" for s in scores), "val_loss", *(f"val_{s}" for s in scores)]
 
 
 def untimed(config: Config, steps: int, history: list[dict]) -> dict[str, str | None]:
@@ -109,7 +114,7 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
                           if last.get("steady_time_s") and last.get("steady_steps") else None),
         # What else the host ran during the last epoch (the one whose steps were measured).
         "host_load": last.get("host_load"),
-        **{key: last[key] for key in ("train_loss", "train_accuracy", "val_loss", "val_accuracy")},
+        **{key: last[key] for key in quality_keys(last)},
     }
 
 
@@ -209,7 +214,7 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
         params = {**flatten(config), "world_size": rank.world_size,
                   "batch_shares": batch_shares_label(config.train.batch_size, mode, rank, device)}
         # Read once, on rank 0, and sent to all: the loop continues from it, tracking reopens the runs it names.
-        state = resume_state(out / CHECKPOINT_FILE, trajectory(config.train, mode), asked=resume,
+        state = resume_state(out / CHECKPOINT_FILE, trajectory(config.train, mode, config.workload), asked=resume,
                              restarted=parallel.restarted(), rank=rank, launch=parallel.launch_id())
         facts = {**run_facts(mode, rank, device, distributed=mode == "ddp"), **record.inputs(params, data_dir)}
         tracking = config.tracking
@@ -232,7 +237,7 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
                 runs.log_datasets(data_dir, ("train", "val"))
             run = Training(config.train, mode, rank, device, out, resume_state=state, epoch_hooks=[runs.log_epoch],
                            extra_state={"mlflow": runs.ids, "launch": parallel.launch_id()},
-                           log_every_n_steps=config.tracking.log_every_n_steps)
+                           log_every_n_steps=config.tracking.log_every_n_steps, workload=config.workload)
             try:
                 model, history = train_model(run, train_split, val_split)
             finally:  # a DataLoader's workers (train.loader: dataloader) end with the training
@@ -256,13 +261,13 @@ def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Ra
     mean, std = stats["train_pixel_mean"], stats["train_pixel_std"]
     save_torch(out / MODEL_FILE, {
         "state_dict": model.state_dict(),
-        "model": config.train.model,
+        "workload": workloads.recorded(config.workload),  # what builds the network these weights fit
         "normalization": {"mean": mean, "std": std},
         "config": flatten(config),
     })
     steps = steps_per_epoch(train_count, config.train.batch_size)
     write_json(RESULTS_DIR / f"{mode}.json", summarize(config, mode, rank, device, history, steps))
-    write_text(curves, csv_text(history, CURVE_COLUMNS))
+    write_text(curves, csv_text(history, ("epoch", *quality_keys(history[-1]), *TIME_COLUMNS)))
     write_text(STEPS_DIR / f"{mode}.csv", csv_text(step_rows(history), ("step", "epoch", "train_loss")))
     write_json(BREAKDOWN_DIR / f"{mode}.json", breakdown_summary(config, mode, rank, device, history, steps))
     write_json(run_ids_file(mode), runs.ids)
@@ -313,7 +318,7 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
                                 "without --resume")
     kept = outbox.unsent(out / OUTBOX_DIR)
     if asked and (out / CHECKPOINT_FILE).is_file():  # ours, and of these settings: said before anything changes
-        state = checkpoint.load_checkpoint(out / CHECKPOINT_FILE, trajectory(config.train, mode))
+        state = checkpoint.load_checkpoint(out / CHECKPOINT_FILE, trajectory(config.train, mode, config.workload))
         refused = checkpoint.other_world(state, planned_world_size(config, mode), out / CHECKPOINT_FILE)
         if refused:
             raise PipelineError(refused)
@@ -334,7 +339,7 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
             f"{shown(tracking_uri())} does not hold ({missing[0]}...): set MLFLOW_TRACKING_URI "
             "back to the store it was trained with, or train afresh without --resume")
     if record is not None and not asked:
-        why_not = checkpoint.why_not_continue(out, record, trajectory(config.train, mode), inputs, settings,
+        why_not = checkpoint.why_not_continue(out, record, trajectory(config.train, mode, config.workload), inputs, settings,
                                               planned_world_size(config, mode))
         if why_not is None and missing:
             why_not = (f"its MLflow runs are not in (or were deleted from) the tracking store "
@@ -369,15 +374,17 @@ OPERATIONAL = ("train.modes", "tracking.outage_wait_s", "tracking.system_metrics
 
 def stage_settings(config: Config) -> dict:
     """Every setting a training's outputs depend on: the params dvc.yaml gives train@<mode>, which
-    are train's and tracking's (but OPERATIONAL), as they read back from JSON."""
+    are the workload's, train's and tracking's (but OPERATIONAL), as they read back from JSON."""
     return json.loads(json.dumps({key: value for key, value in flatten(config).items()
-                                  if key.startswith(("train.", "tracking.")) and key not in OPERATIONAL}))
+                                  if key.startswith(("workload.", "train.", "tracking.")) and key not in OPERATIONAL}))
 
 
 def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
     """Everything that can be checked before the disk changes: a training that cannot start must
     leave the last one's checkpoint, logs and runs as they were (pick_up changes them)."""
     check_output_folders(mode)
+    # The workload imports, builds, and gives the right kinds of things on its example batch.
+    workloads.workload_of(config.workload)
     # A file saved since this command's imports: refused before pick_up clears the last training's files.
     record.check_code_as_imported()
     if config.tracking.enabled:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipeline.config import TrainConfig
+from pipeline.config import TrainConfig, WorkloadConfig
 from pipeline.loop import DeviceSplit, Training, train
 from pipeline.parallel import Rank
 from tests.conftest import free_port
@@ -26,8 +26,11 @@ def learnable_data(n: int, seed: int = 0) -> DeviceSplit:
 
 
 def train_config(batch_size: int, epochs: int = 1) -> TrainConfig:
-    return TrainConfig(modes=("single", "ddp"), batch_size=batch_size, epochs=epochs, lr=0.02,
-                       label_smoothing=0.1, eval_batch_size=64)
+    return TrainConfig(modes=("single", "ddp"), batch_size=batch_size, epochs=epochs, lr=0.02, eval_batch_size=64)
+
+
+# MNIST's network with dropout: what a test of random draws (dropout) trains (Training's workload).
+CLASSIC = WorkloadConfig(init_args={"model": "classic", "label_smoothing": 0.1})
 
 
 def _rank_main(r: int, world: int, port: int, body: Callable, args: tuple) -> None:

@@ -85,7 +85,7 @@ def ddp_rank(r: int, world: int, configs: list[TrainConfig], train_split, val_sp
         wrapped.register_comm_hook(None, counter.hook)
         run_epoch(wrapped, optimizer, scheduler, train_split, epoch_order(len(train_split), 0, cfg.seed),
                   cfg.batch_size, Rank(r, r, world, world), Probe(torch.device("cpu")), show_bar=False, desc="",
-                  label_smoothing=cfg.label_smoothing, grad_accum_steps=cfg.grad_accum_steps)
+                  grad_accum_steps=cfg.grad_accum_steps)
         counts.append(counter.calls)
     if r == 0:
         torch.save(counts, out / "all_reduces.pt")

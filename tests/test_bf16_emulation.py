@@ -12,6 +12,7 @@ from pipeline import mnist
 from pipeline.config import TrainConfig
 from pipeline.loop import epoch_order, global_batches, rank_share, share_loss
 from pipeline.model import build_model
+from pipeline.workloads.mnist import Mnist
 from pipeline.parallel import Rank
 from pipeline.precision import with_autocast
 from tests.conftest import relative_difference
@@ -42,7 +43,7 @@ def emulate(data, dtype: torch.dtype | None, world: int) -> tuple[dict, float]:
             optimizer.zero_grad(set_to_none=True)
             for r in range(world):
                 idx = rank_share(batch, Rank(r, r, world, world))
-                loss, _ = share_loss(forward(images[idx]), labels[idx], len(batch), world, config.label_smoothing)
+                loss, _ = share_loss(forward(images[idx]), labels[idx], len(batch), world, Mnist().loss)
                 (loss / world).backward()  # DDP's average of the ranks' gradients
             optimizer.step()
             scheduler.step()

@@ -19,7 +19,7 @@ from pipeline.evaluation import evaluate_model
 from pipeline.loop import Training, micro_batches, rank_share, to_device, train
 from pipeline.parallel import Rank
 from pipeline.prepared import OnDisk, Split, normalised
-from tests.ddp_harness import equal, learnable_data, train_config
+from tests.ddp_harness import CLASSIC, equal, learnable_data, train_config
 
 MEAN, STD = 0.4, 0.3
 
@@ -116,7 +116,7 @@ def test_a_training_read_by_a_dataloader_is_the_in_memory_training_bit_for_bit(t
     """Two epochs of the loop with dropout (classic) and micro-batches, their validation included:
     the same weights and the same epoch metrics from either source; then `evaluate`'s numbers for
     the model, the same from either."""
-    config = dataclasses.replace(train_config(batch_size=40, epochs=2), model="classic", grad_accum_steps=2,
+    config = dataclasses.replace(train_config(batch_size=40, epochs=2), grad_accum_steps=2,
                                  eval_batch_size=16)
     splits = {name: prepared(tmp_path / "data", name, n, seed) for name, n, seed in (("train", 300, 0), ("val", 50, 1))}
     cpu = torch.device("cpu")
@@ -127,7 +127,8 @@ def test_a_training_read_by_a_dataloader_is_the_in_memory_training_bit_for_bit(t
     }
     trained = {}
     for loader, (train_data, val_data) in sources.items():
-        run = Training(dataclasses.replace(config, loader=loader), "single", Rank(), cpu, tmp_path / loader)
+        run = Training(dataclasses.replace(config, loader=loader), "single", Rank(), cpu, tmp_path / loader,
+                       workload=CLASSIC)
         trained[loader] = train(run, train_data, val_data)
     evaluations = {loader: evaluate_model(trained["memory"][0], val_data, 16)
                    for loader, (_, val_data) in sources.items()}

@@ -51,6 +51,9 @@ def test_stage_deps_cover_the_code_it_runs(stage):
     deps = set(definition.get("do", definition)["deps"])
     # Every stage runs through the CLI, which sets up the process (the allocator) before dispatching.
     code = imported_files(STAGE_MODULES[stage]) | imported_files("stages.cli")
+    if ROOT / "pipeline/workloads/__init__.py" in code:  # it imports the workload params.yaml names, by name
+        class_path = yaml.safe_load((ROOT / "params.yaml").read_text())["workload"]["class_path"]
+        code |= imported_files(class_path.rpartition(".")[0])
     needed = {str(p.relative_to(ROOT)) for p in code}
     # The CLI's own dispatching, the warm server a stage runs in under DVC (pipeline/runtime/warm.py), the
     # processes it starts ahead (the fork server DDP workers are

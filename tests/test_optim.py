@@ -76,7 +76,7 @@ def test_the_defaults_are_the_adam_and_one_cycle_the_loop_always_built(weight_de
     config = dataclasses.replace(TrainConfig(), weight_decay=weight_decay)
     assert (config.optimizer, config.schedule) == ("adam", "onecycle")
     model, optimizer, scheduler = build(config, 30, torch.device("cpu"))
-    reference = build_model(config.model)
+    reference = build_model("small")
     reference.load_state_dict(model.state_dict())
     ref_optimizer = torch.optim.Adam(reference.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     ref_scheduler = torch.optim.lr_scheduler.OneCycleLR(ref_optimizer, max_lr=config.lr, total_steps=30)
@@ -154,7 +154,7 @@ def test_resume_refuses_a_schedule_of_another_length_before_changing_anything(tm
     out = project / "models" / "single"
     out.mkdir(parents=True)
     _, optimizer, scheduler = build(config.train, 7, torch.device("cpu"))  # trained on another slice
-    model = build_model(config.train.model)
+    model = build_model(config.workload.init_args["model"])
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                 "epoch": 1, "history": [], "trajectory": trajectory(config.train, "single"), "extra": {}},
                out / CHECKPOINT_FILE)

@@ -20,7 +20,7 @@ from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.loop import Training, build, in_epoch_part, train
 from pipeline.parallel import Rank
-from tests.ddp_harness import learnable_data, rank_dir, run_ranks, train_config
+from tests.ddp_harness import CLASSIC, learnable_data, rank_dir, run_ranks, train_config
 
 # 400 images in batches of 40: 10 steps an epoch, 20 in all. Checkpoints at global steps 4, 8, 12
 # and 16 (10 and 20 end epochs); killed after 16, the 6th step of epoch 2, in its dropout's stream.
@@ -32,8 +32,7 @@ EXACT = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "clipped_st
 
 def config():
     # classic: dropout, so the resumed steps must draw what the uninterrupted ones drew.
-    return dataclasses.replace(train_config(batch_size=40, epochs=2), model="classic",
-                               checkpoint_every_steps=EVERY)
+    return dataclasses.replace(train_config(batch_size=40, epochs=2), checkpoint_every_steps=EVERY)
 
 
 def data():
@@ -49,7 +48,7 @@ def trainer(r: int, world: int, out, phase: str) -> None:
         os.environ["MNIST_PIPELINE_CRASH_AFTER_STEP"] = str(KILLED_AFTER)
     state = read_checkpoint(out / "resumed" / "rank-0" / CHECKPOINT_FILE) if phase == "resumed" else None
     model, history = train(Training(config(), mode, Rank(r, r, world, world), torch.device("cpu"), folder,
-                                    resume_state=state), *data())
+                                    resume_state=state, workload=CLASSIC), *data())
     if r == 0:
         torch.save({"weights": model.state_dict(), "history": history}, out / f"{phase}.pt")
 

@@ -102,7 +102,7 @@ def test_ddp_four_ranks_against_a_real_server(tmp_path, mnist_dir, mlflow_server
     mlflow.set_tracking_uri(mlflow_server)
     logged = load_model(f"runs:/{parent.info.run_id}/model")
     saved = torch.load(project / "models/ddp/model.pt", weights_only=True)
-    local = build_model(saved["model"])
+    local = build_model(saved["workload"]["init_args"]["model"])
     local.load_state_dict(saved["state_dict"])
     batch = torch.randn(16, 1, 28, 28)
     with torch.no_grad():

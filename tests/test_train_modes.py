@@ -10,7 +10,7 @@ import torch
 from pipeline.loop import epoch_order, global_batches, rank_share, steps_per_epoch
 from pipeline.parallel import Rank
 from tests.conftest import SMALL, load_weights, max_abs_diff, relative_difference, train_cli
-from tests.ddp_harness import train_config
+from tests.ddp_harness import CLASSIC, train_config
 
 
 def test_ddp_shards_are_the_single_batches():
@@ -167,8 +167,9 @@ def test_steady_throughput_is_measured_after_the_warm_up(tmp_path):
 def _dropout_masks(r: int, world: int, out: str) -> None:
     """What each rank's dropout draws in an epoch, as the loop seeds it."""
     from pipeline.loop import build, seed_dropout
+    from pipeline.workloads import load_workload
 
-    model, _, _ = build(dataclasses.replace(train_config(8), model="classic"), 10, torch.device("cpu"))
+    model, _, _ = build(train_config(8), 10, torch.device("cpu"), load_workload(CLASSIC))
     seed_dropout(42, epoch=0, rank=r, dp_gpus=[])
     mask = torch.nn.functional.dropout(torch.ones(64, 128), 0.5).ne(0)
     torch.save({"weights": model.state_dict(), "mask": mask}, Path(out) / f"rank-{r}.pt")

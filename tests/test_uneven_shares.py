@@ -17,6 +17,7 @@ from pipeline.config import TrainConfig
 from pipeline.errors import ConfigError
 from pipeline.loop import DeviceSplit, Training, epoch_order, global_batches, rank_share, share_loss, train
 from pipeline.model import build_model
+from pipeline.workloads.mnist import Mnist
 from pipeline.parallel import Rank, batch_shares, check_world_size, dp_shares, shares_label
 from tests.conftest import relative_difference
 from tests.ddp_harness import learnable_data, rank_dir, run_ranks, train_config
@@ -106,7 +107,7 @@ def test_uneven_dataparallel_chunks_give_the_single_device_gradient():
     torch.manual_seed(0)
     model = build_model("small")
     batch = learnable_data(128)
-    loss, _ = share_loss(model(batch.images), batch.labels, 128, 1, label_smoothing=0.1)
+    loss, _ = share_loss(model(batch.images), batch.labels, 128, 1, Mnist().loss)
     loss.backward()
     expected = [p.grad.clone() for p in model.parameters()]
 
@@ -127,7 +128,7 @@ def test_uneven_dataparallel_chunks_give_the_single_device_gradient():
         for thread in threads:
             thread.join()
         gathered = torch.cat(outputs)
-        loss, _ = share_loss(gathered, batch.labels, len(batch.labels), 1, label_smoothing=0.1)
+        loss, _ = share_loss(gathered, batch.labels, len(batch.labels), 1, Mnist().loss)
         loss.backward()
         summed = [sum(r_params) for r_params in zip(*[[p.grad for p in r.parameters()] for r in replicas])]
         for got, want in zip(summed, expected):

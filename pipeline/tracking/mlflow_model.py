@@ -17,15 +17,18 @@ from mlflow.pyfunc import PythonModel
 WEIGHTS = "weights"  # the artifact's name: the mode's model.pt
 
 
-def build_from_weights(path: str):
-    """The trained network from a model.pt, in eval mode: its architecture is named in the file
-    and built by this package's code, its tensors loaded without unpickling anything."""
+def build_from_weights(path: str, allow: str | None = None):
+    """The trained network from a model.pt, in eval mode: its workload is named in the file and
+    builds it (one of this package's, or `allow`, the one the project's params name), its tensors
+    loaded without unpickling anything."""
+    from pathlib import Path
+
     import torch
 
-    from pipeline.model import build_model
+    from pipeline.workloads import saved_workload
 
     saved = torch.load(path, map_location="cpu", weights_only=True)
-    model = build_model(saved["model"])
+    model = saved_workload(saved, Path(path), allow).build_model()
     model.load_state_dict(saved["state_dict"])
     return model.eval()
 

@@ -1,0 +1,193 @@
+"""What trains: a workload, named in params.yaml by import path, as LightningCLI names a class
+(`class_path`, `init_args`) and torchtitan a `TrainSpec`.
+
+    workload:
+      class_path: pipeline.workloads.mnist.Mnist   # or a module of your own: examples.tabular.Regression
+      init_args: {model: small, label_smoothing: 0.1}
+
+A workload is a subclass of `Workload`, built with `init_args` as its keyword arguments, that gives
+the pipeline what is particular to it:
+- `build_model()`: the network, freshly initialised (the loop seeds torch first, alike in every mode);
+- `loss(outputs, targets)`: the training loss of a batch, summed over its samples, not averaged. The
+  loop divides by the global batch's length, so DDP's ranks, whatever their shares, add up to the
+  one-device gradient: a loss that is a sum of per-sample terms keeps single = dp = ddp;
+- `metrics(outputs, targets)`: named scores of a batch, each summed over its samples (MNIST: the
+  correct answers, shown as "accuracy" once divided by the count); they are logged as
+  `train_<name>` and `val_<name>`;
+- `eval_loss(outputs, targets)`: the loss reported for validation, summed alike (by default `loss`);
+- `example_batch()`: a small (inputs, targets) batch, what the pipeline tries the workload on before
+  anything on disk changes.
+
+The optimizer and its schedule are params (train.optimizer, train.schedule), not the workload's.
+The data is still the prepared files `prepare` writes (uint8 images and integer labels); a
+workload's own data is #53's next step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeline.config import WorkloadConfig
+from pipeline.errors import ConfigError
+
+# Where a class path recorded in a model file may point without the loader's say-so: a file read from
+# an artifact store must not be able to import (and so run) whatever module it names.
+PACKAGE = __name__ + "."
+
+
+class Workload:
+    """The parts of a training that are the workload's. Subclass it and override each method."""
+
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def eval_loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss(outputs, targets)
+
+    def example_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+PARTS = ("build_model", "loss", "metrics", "example_batch")  # eval_loss has a default
+
+
+def load_workload(config: WorkloadConfig, source: str = "params.yaml") -> Workload:
+    """The workload `config` names, built from its init_args; anything wrong with it is a
+    ConfigError naming workload.class_path (or init_args) and what to do."""
+    where = f"{source}: workload.class_path = {config.class_path!r}"
+    cls = _import_class(config.class_path, where)
+    if not (inspect.isclass(cls) and issubclass(cls, Workload)):
+        raise ConfigError(f"{where} is {_kind(cls)}, not a subclass of pipeline.workloads.Workload; name a "
+                          "class that subclasses it")
+    missing = [part for part in PARTS if getattr(cls, part) is getattr(Workload, part)]
+    if missing:
+        raise ConfigError(f"{where} does not define {', '.join(missing)}; a workload gives each of "
+                          f"{', '.join(PARTS)} (pipeline/workloads/__init__.py says what each returns)")
+    try:
+        inspect.signature(cls).bind(**config.init_args)
+    except TypeError as exc:
+        raise ConfigError(f"{source}: workload.init_args = {config.init_args!r} do not fit {cls.__name__}"
+                          f"{inspect.signature(cls)} ({exc}); give it the arguments it takes") from None
+    try:
+        return cls(**config.init_args)
+    except Exception as exc:  # the class refused an argument's value
+        raise ConfigError(f"{source}: workload.init_args = {config.init_args!r}: {cls.__name__} refused them "
+                          f"({type(exc).__name__}: {exc})") from None
+
+
+def _import_class(class_path: str, where: str) -> Any:
+    # A module of the project's own (examples/, a team's package) imports from the project root, which
+    # `mnist-pipeline` puts first on sys.path, and on PYTHONPATH for every process it starts (stages/entry.py).
+    module_name, _, name = class_path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{where}: cannot import {module_name} ({exc}); check the path, or run from the project "
+                          "root that holds the module") from None
+    except Exception as exc:
+        raise ConfigError(f"{where}: importing {module_name} failed ({type(exc).__name__}: {exc})") from None
+    if not hasattr(module, name):
+        raise ConfigError(f"{where}: {module_name} has no {name}; check the class's name")
+    return getattr(module, name)
+
+
+def _kind(thing: Any) -> str:
+    return f"the class {thing.__name__}" if inspect.isclass(thing) else f"a {type(thing).__name__}"
+
+
+def check_workload(workload: Workload, config: WorkloadConfig, source: str = "params.yaml") -> None:
+    """Try the workload on its own example batch, as the loop will call it: a model that is an
+    nn.Module, outputs a tensor, a loss and metrics that are finite scalar tensors. What returns the
+    wrong kind of thing is named here, before any stage changes anything on disk."""
+    where = f"{source}: workload.class_path = {config.class_path!r}"
+
+    def call(part: str, *args):
+        try:
+            return getattr(workload, part)(*args)
+        except Exception as exc:
+            raise ConfigError(f"{where}: its {part}() failed on its example batch ({type(exc).__name__}: "
+                              f"{exc})") from None
+
+    model = call("build_model")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{where}: build_model() returned {_kind(model)}, not a torch.nn.Module")
+    batch = call("example_batch")
+    if not (isinstance(batch, tuple) and len(batch) == 2 and all(isinstance(t, torch.Tensor) for t in batch)
+            and len(batch[0]) == len(batch[1]) > 0):
+        raise ConfigError(f"{where}: example_batch() must return (inputs, targets), two tensors of the same "
+                          "non-zero length")
+    inputs, targets = batch
+    with torch.no_grad():
+        try:
+            outputs = model.eval()(inputs)
+        except Exception as exc:
+            raise ConfigError(f"{where}: its model failed on example_batch()'s inputs ({type(exc).__name__}: "
+                              f"{exc})") from None
+        if not isinstance(outputs, torch.Tensor) or not outputs.is_floating_point():
+            raise ConfigError(f"{where}: its model returned {_kind(outputs)}, not a floating-point tensor")
+        for part in ("loss", "eval_loss"):
+            _scalar(call(part, outputs, targets), f"{where}: {part}()")
+        scores = call("metrics", outputs, targets)
+        if not isinstance(scores, dict):
+            raise ConfigError(f"{where}: metrics() returned {_kind(scores)}, not a dict of name: summed score")
+        for name, value in scores.items():
+            if not (isinstance(name, str) and name.isidentifier()) or name == "loss":
+                raise ConfigError(f"{where}: metrics() named a score {name!r}; names are identifiers other than "
+                                  "'loss' (logged as train_<name>, val_<name>)")
+            _scalar(value, f"{where}: metrics()[{name!r}]")
+
+
+def _scalar(value: Any, what: str) -> None:
+    if not (isinstance(value, torch.Tensor) and value.dim() == 0):
+        kind = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else _kind(value)
+        raise ConfigError(f"{what} returned {kind}, not a scalar tensor (a sum over the batch's samples)")
+    if not math.isfinite(value.item()):
+        raise ConfigError(f"{what} is {value.item()} on the example batch, not a finite number")
+
+
+def default_workload() -> Workload:
+    """The workload params.yaml names by default: MNIST, its small network."""
+    return load_workload(WorkloadConfig())
+
+
+def workload_of(config: WorkloadConfig, source: str = "params.yaml") -> Workload:
+    """load_workload, then check_workload: the workload a stage starts with."""
+    workload = load_workload(config, source)
+    check_workload(workload, config, source)
+    return workload
+
+
+def saved_workload(saved: dict, path: Path, allow: str | None = None) -> Workload:
+    """The workload a model file names (train records it), to build the network its weights fit.
+    A file written before workloads were named holds only MNIST's model name. A class path outside
+    this package is imported only when the caller names it in `allow` (the project's own params
+    say so): a file from an artifact store cannot make its reader import a module of its choice."""
+    recorded = saved.get("workload")
+    if recorded is None:  # an MNIST model file from before
+        recorded = {"class_path": WorkloadConfig().class_path, "init_args": {"model": saved["model"]}}
+    if not (isinstance(recorded, dict) and isinstance(recorded.get("class_path"), str)
+            and isinstance(recorded.get("init_args"), dict)):
+        raise ConfigError(f"{path}: its workload record {recorded!r} is not a class_path and init_args")
+    config = WorkloadConfig(recorded["class_path"], recorded["init_args"])
+    if not config.class_path.startswith(PACKAGE) and config.class_path != allow:
+        raise ConfigError(f"{path}: trained by workload {config.class_path}, outside this package: load it where "
+                          "the project's params.yaml names that workload")
+    return load_workload(config, source=str(path))
+
+
+def recorded(config: WorkloadConfig) -> dict[str, Any]:
+    """What a model file records of its workload (saved_workload reads it back)."""
+    return {"class_path": config.class_path, "init_args": dict(config.init_args)}
