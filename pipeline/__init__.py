@@ -21,7 +21,8 @@ def _only_this_projects_code() -> None:
 
 
 def _record_imports() -> None:
-    """Keep the sha256 of each `pipeline` and `stages` source file as this process imports it
+    """Keep the sha256 of each `pipeline`, `stages` and `workloads` (the project's own workloads)
+    source file as this process imports it
     (pipeline.record.check_code_as_imported): a run records the files on disk, which an editor may
     have saved since the imports (a fork server imports long before its workers record). Each
     module runs the very bytes hashed, compiled afresh: a cached .pyc is trusted by its source's
@@ -32,7 +33,8 @@ def _record_imports() -> None:
     from pathlib import Path
 
     imported: dict[str, str | None] = {}
-    ours = tuple(str(Path(__file__).resolve().parent.parent / name) + "/" for name in ("pipeline", "stages"))
+    PACKAGES = ("pipeline", "stages", "workloads")  # pipeline.record.CODE_PACKAGES
+    ours = tuple(str(Path(__file__).resolve().parent.parent / name) + "/" for name in PACKAGES)
 
     def digest(path: str) -> str | None:
         try:
@@ -43,7 +45,7 @@ def _record_imports() -> None:
     class Recorder:
         @staticmethod
         def find_spec(name, path, target=None):
-            if name.partition(".")[0] not in ("pipeline", "stages"):
+            if name.partition(".")[0] not in PACKAGES:
                 return None
             spec = importlib.machinery.PathFinder.find_spec(name, path)
             loader = getattr(spec, "loader", None)

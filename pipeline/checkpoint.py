@@ -13,6 +13,7 @@ from pipeline.config import TrainConfig, WorkloadConfig
 from pipeline.errors import PipelineError
 from pipeline.parallel import Rank, all_gather_objects, broadcast_object
 from pipeline.record import code_file_digests, file_digest
+from pipeline.workloads import full_init_args
 from pipeline.unfinished import UNFINISHED_FILE
 
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -31,11 +32,14 @@ TRAJECTORY_BEFORE = {"optimizer": "adam", "schedule": "onecycle", "momentum": No
                      "grad_accum_steps": 1, "fp16": False}
 
 
-def trajectory(config: TrainConfig, mode: str, workload: WorkloadConfig = WorkloadConfig()) -> dict[str, Any]:
+def trajectory(config: TrainConfig, mode: str, workload: WorkloadConfig | None = None) -> dict[str, Any]:
+    """The settings a checkpoint must have been trained under to be continued; `workload` with every
+    argument it is built with, its defaults filled in (None: the default workload)."""
     settings = asdict(config)
     if config.optimizer != "sgd":
         settings["momentum"] = None  # SGD's alone: a change under Adam changes nothing trained
-    return {"mode": mode, "workload": {"class_path": workload.class_path, "init_args": dict(workload.init_args)},
+    workload = workload or WorkloadConfig()
+    return {"mode": mode, "workload": {"class_path": workload.class_path, "init_args": full_init_args(workload)},
             **{key: settings[key] for key in TRAJECTORY_KEYS}}
 
 

@@ -154,8 +154,9 @@ class WorkloadConfig:
     # loss, its metrics). It is imported, built and tried on its own example batch before anything
     # on disk changes.
     class_path: str = field(default=MNIST_WORKLOAD, metadata=_rule(
-        lambda v: bool(_CLASS_PATH.fullmatch(v)), "an import path, module.Class (e.g. examples.tabular.Regression)"))
-    init_args: dict = field(default_factory=lambda: {"model": "small", "label_smoothing": 0.1}, metadata=_rule(
+        lambda v: bool(_CLASS_PATH.fullmatch(v)), "an import path, module.Class (e.g. teamwork.Mlp)"))
+    # Not hashed: a dict.
+    init_args: dict = field(default_factory=lambda: {"model": "small", "label_smoothing": 0.1}, hash=False, metadata=_rule(
         lambda v: all(isinstance(k, str) and _IDENTIFIER_RE.fullmatch(k) for k in v),
         "a mapping of keyword-argument names to values"))
 
@@ -233,7 +234,7 @@ SECTIONS: dict[str, type] = {"workload": WorkloadConfig, "data": DataConfig, "co
 
 @dataclass(frozen=True)
 class Config:
-    workload: WorkloadConfig = WorkloadConfig()
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     data: DataConfig = DataConfig()
     commcheck: CommcheckConfig = CommcheckConfig()
     train: TrainConfig = TrainConfig()

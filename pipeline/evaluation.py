@@ -50,11 +50,18 @@ def load_trained_model(path: Path, allow: str | None = None) -> TrainedModel:
         module = workload.build_model()
         module.load_state_dict(saved["state_dict"])
         norm = saved["normalization"]
-        return TrainedModel(module, float(norm["mean"]), float(norm["std"]), workload)
+        trained = TrainedModel(module, float(norm["mean"]), float(norm["std"]), workload)
     except PipelineError:
         raise
     except Exception as exc:
         raise PipelineError(f"{path}: not a usable model file ({exc}); train this mode again") from None
+    with torch.no_grad():
+        shape = tuple(module.eval()(workload.example_batch()[0]).shape)
+    if len(shape) != 2 or shape[1] != NUM_CLASSES:
+        raise PipelineError(f"{path}: its model's outputs have the shape {shape} on its workload's example batch; "
+                            f"evaluate scores a classifier of {NUM_CLASSES} classes (accuracy, per class, the "
+                            "confusion matrix), and other workloads' test metrics are not there yet (#53)")
+    return trained
 
 
 @torch.no_grad()

@@ -54,7 +54,7 @@ from pipeline.parallel import (
 from pipeline.precision import autocast_dtype, grad_scaler, with_autocast
 from pipeline.preemption import Notice, say_stopped
 from pipeline.prepared import Split, normalised
-from pipeline.workloads import Workload, default_workload, load_workload
+from pipeline.workloads import Workload, default_workload, load_workload, score_names
 
 log = logging.getLogger(__name__)
 
@@ -130,37 +130,44 @@ def weight_checksum(module: nn.Module) -> float:
     return float((flat * torch.linspace(1.0, 2.0, len(flat), dtype=torch.float64)).sum())
 
 
+def zero_scores(names: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    """float64 running sums of the workload's metrics (exact for counts), one per name."""
+    return {name: torch.zeros((), dtype=torch.float64, device=device) for name in names}
+
+
 def add_scores(sums: dict[str, torch.Tensor], scores: dict[str, torch.Tensor]) -> None:
-    """Adds a batch's summed scores into float64 running sums (exact for counts), made at the first."""
+    """Adds a batch's summed scores into the running sums: every rank sums the same names, in the
+    same order, or their all_reduce would mix them up."""
+    if scores.keys() != sums.keys():
+        raise PipelineError(f"the workload's metrics() named {sorted(scores)} on a batch and {sorted(sums)} on its "
+                            "example batch: it must name the same scores for every batch")
     for name, value in scores.items():
-        if name not in sums:
-            sums[name] = torch.zeros((), dtype=torch.float64, device=value.device)
         sums[name] += value
 
 
-def stacked(sums: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    return torch.stack([sums[name] for name in names])
+def stacked(sums: dict[str, torch.Tensor], names: list[str], device: torch.device) -> torch.Tensor:
+    return torch.stack([sums[name] for name in names]) if names else torch.zeros(0, dtype=torch.float64, device=device)
 
 
 @torch.no_grad()
 def evaluate(module: nn.Module, data: Data, indices: torch.Tensor, batch_size: int,
              device: torch.device | None = None, workload: Workload | None = None) -> dict[str, torch.Tensor]:
     """Sums over `indices` of the workload's evaluation loss ("loss"), of each of its metrics, and
-    the count ("count"), float64, on `device` (by default the in-memory data's): the same names on
-    every rank, so `stacked` in sorted order is ready for all_reduce."""
+    the count ("count"), float64, on `device` (by default the in-memory data's), in that order: the
+    same names on every rank, those with no sample to score included, ready for one all_reduce."""
     workload = workload or default_workload()
+    device = device or data.index_device
+    scores = zero_scores(score_names(workload, module, device), device)
+    loss, count = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
     was_training = module.training
     module.eval()
-    device = device or data.index_device
-    sums = {"loss": torch.zeros((), dtype=torch.float64, device=device),
-            "count": torch.zeros((), dtype=torch.float64, device=device)}
     for inputs, targets in data.feed(indices.to(data.index_device).split(batch_size)):
         outputs = module(inputs).float()  # in float32 whatever the autocast: what the loss and scores read
-        sums["loss"] += workload.eval_loss(outputs, targets)
-        add_scores(sums, workload.metrics(outputs, targets))
-        sums["count"] += len(targets)
+        loss += workload.eval_loss(outputs, targets)
+        add_scores(scores, workload.metrics(outputs, targets))
+        count += len(targets)
     module.train(was_training)
-    return sums
+    return {"loss": loss, **scores, "count": count}
 
 
 def all_sum(values: torch.Tensor, rank: Rank) -> torch.Tensor:
@@ -281,7 +288,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
     workload = workload or default_workload()
     batches = global_batches(order, global_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    scores: dict[str, torch.Tensor] = {}
+    scores = zero_scores(score_names(workload, unwrap(wrapped), device), device)
     clipped = torch.zeros((), dtype=torch.int64, device=device)
     losses = torch.empty(len(batches), dtype=torch.float32, device=device)
     shares, start = [], 0
@@ -460,15 +467,15 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
             steady_samples = sum(shares[config.throughput_warmup_steps:probe.steady_end])
             # Each step's loss sum rides along in the epoch's one all_reduce: the loss curve of the
             # global batches (loss_windows), the same in every mode.
-            names = sorted(scores)  # the workload's metrics, in the same order on every rank
+            names = list(scores)  # the workload's metrics, in the same order on every rank (score_names)
             sums = all_sum(torch.cat([torch.stack([loss_sum, loss_sum.new_tensor(rank_samples),
                                                    loss_sum.new_tensor(steady_samples)]),
-                                      stacked(scores, names), losses.double()]), rank)
+                                      stacked(scores, names, device), losses.double()]), rank)
             train_sums, train_scores, step_sums = sums[:3], sums[3:3 + len(names)], sums[3 + len(names):].tolist()
             losses = losses.tolist()  # one copy per epoch
             check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
             val = evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size, device, workload)
-            val_sums = dict(zip(sorted(val), all_sum(stacked(val, sorted(val)), rank)))
+            val_sums = dict(zip(val, all_sum(stacked(val, list(val), device), rank)))  # [loss, *names, count], as before
             epoch_time = time.perf_counter() - started + carried_s
             breakdown = probe.results()  # before the clock's totals, which clear its marks
             if breakdown is not None and probe.trace_file is not None:
@@ -661,8 +668,13 @@ def pause_asked() -> float:
 
 
 def report_epoch(mode: str, epochs: int, m: dict) -> None:
-    log.info(
-        f"{mode} epoch {m['epoch']}/{epochs}: train loss {m['train_loss']:.4f} acc {m['train_accuracy']:.4f} | "
-        f"val loss {m['val_loss']:.4f} acc {m['val_accuracy']:.4f} | {m['samples_per_s']:.0f} samples/s, "
-        f"training {m['train_time_s']:.1f} s + validation {m['epoch_time_s'] - m['train_time_s']:.1f} s"
-    )
+    def scored(split: str) -> str:  # its loss, then the workload's metrics (MNIST: "acc")
+        return " ".join([f"{split} loss {m[f'{split}_loss']:.4f}"]
+                        + [f"{SHORT.get(name, name)} {m[f'{split}_{name}']:.4f}" for name in m["scores"]])
+
+    log.info(f"{mode} epoch {m['epoch']}/{epochs}: {scored('train')} | {scored('val')} | "
+             f"{m['samples_per_s']:.0f} samples/s, training {m['train_time_s']:.1f} s + validation "
+             f"{m['epoch_time_s'] - m['train_time_s']:.1f} s")
+
+
+SHORT = {"accuracy": "acc"}  # the log line's names for common metrics

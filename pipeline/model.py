@@ -40,7 +40,7 @@ def classic_cnn() -> nn.Module:
     )
 
 
-# Keys match pipeline.config.MODELS, which validates train.model before anything is built.
+# MNIST's `model` argument (pipeline.workloads.mnist, workload.init_args.model) names one of these.
 MODELS = {"small": small_cnn, "classic": classic_cnn}
 
 

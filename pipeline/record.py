@@ -42,12 +42,26 @@ def sha256(*parts: bytes) -> str:
     return digest.hexdigest()
 
 
+# The project's own code: a run records these folders' Python files (code_sha256), and a training
+# refuses to go on, or to be recorded, when one changed since it started. `workloads` holds a
+# project's own workloads (pipeline/workloads says how they are named); a project may lack it.
+CODE_PACKAGES = ("pipeline", "stages", "workloads")
+
+
 def code_folders() -> list[Path]:
-    """The `pipeline` and `stages` packages this process imports (stages/entry.py chose them);
-    found, not imported: nothing here reaches up into `stages`."""
+    """The `pipeline` and `stages` packages this process imports (stages/entry.py chose them), and
+    the project's `workloads` folder beside them when there is one; found, not imported: nothing
+    here reaches up into `stages`."""
     import importlib.util
 
-    return [Path(importlib.util.find_spec(package).origin).parent for package in ("pipeline", "stages")]
+    packages = [Path(importlib.util.find_spec(package).origin).parent for package in ("pipeline", "stages")]
+    own = packages[0].parent / "workloads"
+    return packages + ([own] if own.is_dir() else [])
+
+
+def code_folders_in(root: Path) -> list[Path]:
+    """The code folders of the project at `root` (a checkout being re-made, a test's copy)."""
+    return [root / name for name in CODE_PACKAGES if name != "workloads" or (root / name).is_dir()]
 
 
 def project_folder() -> Path:
@@ -80,8 +94,8 @@ def code_file_digests(folders: Iterable[Path] | None = None) -> dict[str, str]:
 
 
 def changed_since_import() -> list[Path]:
-    """The `pipeline` and `stages` files whose bytes on disk are no longer those this process (or
-    the fork server it came from) imported: edited, or gone."""
+    """The project's code files (CODE_PACKAGES) whose bytes on disk are no longer those this process
+    (or the fork server it came from) imported: edited, or gone."""
     import pipeline
 
     return [Path(origin) for origin, imported in pipeline.IMPORTED_SOURCES.items()

@@ -248,7 +248,7 @@ def prepare_checkout(recorded: Recorded, root: Path, folder: Path) -> Path:
             raise Refusal(f"run {recorded.run_id}: its uncommitted change does not apply to commit "
                           f"{recorded.tags['git_commit'][:12]}: {done.stderr.strip().splitlines()[0]}")
     (checkout / "params.yaml").write_text(recorded.params_text)
-    code = record.code_digest([checkout / "pipeline", checkout / "stages"])
+    code = record.code_digest(record.code_folders_in(checkout))
     if code != recorded.tags["code_sha256"]:
         raise Refusal(f"run {recorded.run_id}: commit {recorded.tags['git_commit'][:12]} with its patch is not the "
                       "code it ran (code_sha256 differs): it ran files git does not track (untracked, or ignored), "

@@ -46,11 +46,18 @@ def rows(shown: list[dict]) -> list[dict]:
     return found
 
 
+# Where a commit from before a key moved kept it: the model was train's before workloads were named.
+FORMERLY = {"workload.init_args.model": "train.model"}
+
+
 def param(params: dict, dotted: str) -> str:
-    value = params
-    for key in dotted.split("."):
-        value = value.get(key, {}) if isinstance(value, dict) else {}
-    return "-" if value == {} else str(value)
+    for name in (dotted, FORMERLY.get(dotted)):
+        value = params
+        for key in (name or "").split("."):
+            value = value.get(key, {}) if isinstance(value, dict) else {}
+        if value != {}:
+            return str(value)
+    return "-"
 
 
 def dotted_keys(params: dict, prefix: str = "") -> list[str]:

@@ -20,6 +20,14 @@ REPORT_FILES = ("comparison.md", "throughput.png", "loss.png", "timeline.png", "
 METRICS_DIR = Path("metrics")
 
 
+def epoch_columns(results) -> list[str]:
+    """The curves' losses and the workload's metrics (MNIST: val_loss, val_accuracy, train_loss,
+    train_accuracy), as the train stage wrote them, validation first."""
+    header = list(results[0].curves[0]) if results and results[0].curves else []
+    return [name for split in ("val_", "train_") for name in header
+            if name.startswith(split) and name != "train_time_s"]
+
+
 def read_metrics(path: Path) -> dict:
     if not path.is_file():
         raise PipelineError(f"{path}: missing; run the train and evaluate stages first (dvc repro)")
@@ -80,8 +88,7 @@ def compare(params_path: str, out: str) -> None:
         explain.timeline_png(breakdowns, tmp / "timeline.png")
         # Every mode's curves in one file each, for DVC's charts (dvc.yaml's plots).
         (tmp / "steps.csv").write_text(modes_csv(results, "steps", ("step", "epoch", "train_loss")))
-        (tmp / "epochs.csv").write_text(modes_csv(results, "curves", ("epoch", "val_loss", "val_accuracy",
-                                                                      "train_loss", "train_accuracy")))
+        (tmp / "epochs.csv").write_text(modes_csv(results, "curves", ("epoch", *epoch_columns(results))))
     # File by file, with no marker beside them: DVC reads every file in the folder as a metric.
     for mode in MODES:
         if mode not in config.train.modes:

@@ -30,7 +30,8 @@ def send_runs(params_path: str, mode: str, uri: str | None, discard: bool) -> No
             click.echo(f"send-runs: {mode}: dropped {dropped} kept tracking calls" if dropped
                        else f"send-runs: {mode}: nothing kept in {folder}")
             return
-        sent = send_kept(folder, uri, load_config(params_path).tracking.registered_model)
+        config = load_config(params_path)
+        sent = send_kept(folder, uri, config.tracking.registered_model, config.workload.class_path)
         rejected = sorted(folder.glob("*.rejected")) if folder.is_dir() else []
         record = unfinished.unfinished(model_dir(mode))
         if sent is not None and not rejected and unfinished.OUTPUTS_COMPLETE in (record or {}):

@@ -23,6 +23,7 @@ from pipeline import checkpoint, gpus, parallel, record, workloads
 from pipeline.runtime import forkserver, lockfile
 from pipeline.atomic import in_the_way, save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, resume_state, trajectory
+from pipeline.record import code_folders
 from pipeline.unfinished import OUTPUTS_COMPLETE, UNFINISHED_FILE, unfinished
 from pipeline.config import MODES, Config, flatten, load_config, read_config
 from pipeline.determinism import use_deterministic_algorithms
@@ -42,7 +43,6 @@ from stages import slurm
 from stages.workers import launch_workers, run_facts
 
 log = logging.getLogger(__name__)
-CODE_DIRS = [Path(checkpoint.__file__).parent, Path(__file__).parent]  # the pipeline and stages packages
 RESULTS_DIR = Path("results/train")
 CURVES_DIR = Path("plots/train")
 STEPS_DIR = Path("plots/steps")
@@ -229,7 +229,7 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
                             mode, rank.rank, dropped)
         runs = start_mode_run(tracking, mode, rank, facts, params,
                               state.get("extra", {}).get("mlflow") if state else None,
-                              outbox_dir=out / OUTBOX_DIR)
+                              outbox_dir=out / OUTBOX_DIR, workload=config.workload.class_path)
         with until_done(runs):  # from the moment the runs exist: nothing may leave them RUNNING
             if rank.is_main:  # at once, so the launcher can end these runs if a worker is killed outright
                 write_json(run_ids_file(mode), runs.ids)
@@ -287,7 +287,8 @@ def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Ra
         write_json(out / UNFINISHED_FILE, {**record, OUTPUTS_COMPLETE: parent})
     if (record or {}).get(OUTPUTS_COMPLETE, None) != parent or not parent:
         runs.finish_parent(out / MODEL_FILE, example,
-                           [out / CHECKPOINT_FILE, run_files / curves.name, run_files / "params.yaml"])
+                           [out / CHECKPOINT_FILE, run_files / curves.name, run_files / "params.yaml"],
+                           workload=config.workload.class_path)
 
 
 def planned_world_size(config: Config, mode: str) -> int | None:
@@ -307,7 +308,7 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
     MLflow runs. One that cannot go on leaves no RUNNING run behind, and no checkpoint or outbox
     to be taken for this one's."""
     out = model_dir(mode)
-    inputs = checkpoint.inputs_snapshot(data_dir, CODE_DIRS)
+    inputs = checkpoint.inputs_snapshot(data_dir, code_folders())
     settings = stage_settings(config)
     record = unfinished(out)
     if asked and record is not None and "inputs" in record:
@@ -491,7 +492,7 @@ def inputs_unchanged(mode: str, data_dir: Path, required: bool = True) -> None:
     if not required and (record.get("snapshot") is None or record.get("snapshot") != os.environ.get(forkserver.SNAPSHOT_ENV)):
         return
     then = record.get("inputs")
-    changed = checkpoint.inputs_changed(then, checkpoint.inputs_snapshot(data_dir, CODE_DIRS))
+    changed = checkpoint.inputs_changed(then, checkpoint.inputs_snapshot(data_dir, code_folders()))
     if changed:
         raise PipelineError(f"{changed} while this training ran: its outputs are of the code and data it read at "
                             "its start, so DVC records nothing; run it again")

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
 VENV_BIN = Path(sys.executable).parent
 # What a project copy needs to run its stages: the code, the DVC/params files and the lock runs record.
-PROJECT_FILES = ("pipeline", "stages", "deploy", "dvc.yaml", "params.yaml", "requirements.lock", ".dvcignore", ".gitignore",
+PROJECT_FILES = ("pipeline", "stages", "workloads", "deploy", "dvc.yaml", "params.yaml", "requirements.lock", ".dvcignore", ".gitignore",
                  ".dvc/config", ".dvc/plots")
 
 

@@ -54,6 +54,9 @@ def test_stage_deps_cover_the_code_it_runs(stage):
     if ROOT / "pipeline/workloads/__init__.py" in code:  # it imports the workload params.yaml names, by name
         class_path = yaml.safe_load((ROOT / "params.yaml").read_text())["workload"]["class_path"]
         code |= imported_files(class_path.rpartition(".")[0])
+    # A stage that imports workloads may build the project's own, in workloads/: the folder is its dependency.
+    builds = ROOT / "pipeline/workloads/__init__.py" in code
+    assert ("workloads" in deps) == builds, f"{stage}: workloads/ {'missing from' if builds else 'in'} its deps"
     needed = {str(p.relative_to(ROOT)) for p in code}
     # The CLI's own dispatching, the warm server a stage runs in under DVC (pipeline/runtime/warm.py), the
     # processes it starts ahead (the fork server DDP workers are

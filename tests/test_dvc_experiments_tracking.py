@@ -96,4 +96,4 @@ def code_at(project: Path, commit: str) -> str:
         archive = subprocess.run(["git", "archive", commit, "pipeline", "stages"], cwd=project, check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        return record.code_digest([Path(tmp) / "pipeline", Path(tmp) / "stages"])
+        return record.code_digest(record.code_folders_in(Path(tmp)))

@@ -75,7 +75,7 @@ def check_structure(client, project, mode, world_size, epochs=2):
 def check_record(parent, children, project, mode) -> None:
     """Every run of the training carries what re-makes it, each digest recomputed here from the
     project's files; the parent also the weights' digest, recomputed from the saved model."""
-    expected = {"code_sha256": record.code_digest([project / "pipeline", project / "stages"]),
+    expected = {"code_sha256": record.code_digest(record.code_folders_in(project)),
                 "data_sha256": record.files_digest(project / "data" / "prepared"),
                 "requirements_lock_sha256": hashlib.sha256((project / "requirements.lock").read_bytes()).hexdigest(),
                 "params_sha256": record.params_digest(parent.data.params),

@@ -85,12 +85,14 @@ def _own_file(path: str, root: Path) -> Path:
     return absolute
 
 
-def op_checker(mode_dir: Path, run_ids: Iterable[str] | None = None, registered: str | None = None):
+def op_checker(mode_dir: Path, run_ids: Iterable[str] | None = None, registered: str | None = None,
+               workload: str | None = None):
     """What an outbox line may ask, vetted before it is sent: the file is on a disk others may
     write to (a shared volume), so it is data, not code. A line may only make a known call, on
     one of this training's runs (`run_ids`: those in mlflow_run.json), upload files under the
-    mode's own folder, register the model under the name the settings give (`registered`), and
-    end a run only as MLflow does."""
+    mode's own folder, register the model under the name the settings give (`registered`), build
+    it by the workload they name (`workload`: a class path outside the package is imported, so
+    no file may choose it), and end a run only as MLflow does."""
     root = Path(os.path.abspath(mode_dir)).resolve()
     allowed = set(run_ids) if run_ids is not None else None
 
@@ -117,6 +119,9 @@ def op_checker(mode_dir: Path, run_ids: Iterable[str] | None = None, registered:
             if (op.get("registered") or None) != (registered or None):
                 raise ValueError(f"registers the model as {op.get('registered')!r}; tracking.registered_model says "
                                  f"{registered or 'none'!r}")
+            if (op.get("workload") or None) not in (None, workload):
+                raise ValueError(f"builds the model by workload {op.get('workload')!r}; workload.class_path says "
+                                 f"{workload!r}")
         elif op.get("status") not in ("FINISHED", "FAILED", "KILLED"):
             raise ValueError(f"{op.get('status')!r} is not how a run ends")
 
@@ -124,7 +129,7 @@ def op_checker(mode_dir: Path, run_ids: Iterable[str] | None = None, registered:
 
 
 def outbox_for(folder: Path | None, rank: Rank, uri: str, run_ids: Iterable[str] | None = None,
-               registered: str | None = None):
+               registered: str | None = None, workload: str | None = None):
     from functools import partial
 
     from mlflow import MlflowClient
@@ -135,10 +140,11 @@ def outbox_for(folder: Path | None, rank: Rank, uri: str, run_ids: Iterable[str]
     if folder is None:
         return _Direct(deliver)
     return Outbox(folder, f"rank-{rank.rank}", deliver, target=shown(uri), refused=refused,
-                  check=op_checker(folder.parent, run_ids, registered))
+                  check=op_checker(folder.parent, run_ids, registered, workload))
 
 
-def send_kept(folder: Path, uri: str | None = None, registered: str | None = None) -> int | None:
+def send_kept(folder: Path, uri: str | None = None, registered: str | None = None,
+              workload: str | None = None) -> int | None:
     """Send what trainings left in `folder` (a mode's outbox) to the current store (`uri`, else
     MLFLOW_TRACKING_URI or the default): the `send-runs` command. Where the calls go is the
     user's setting now, never what a file says; a line may only touch the runs the mode's
@@ -172,7 +178,7 @@ def send_kept(folder: Path, uri: str | None = None, registered: str | None = Non
         made_for = shown(target.read_text(errors="replace").strip()) if target.is_file() else "(not recorded)"
         deliver = partial(_deliver, MlflowClient(uri), uri)
         try:
-            sent += replay(path, deliver, op_checker(folder.parent, run_ids, registered))
+            sent += replay(path, deliver, op_checker(folder.parent, run_ids, registered, workload))
         except DeliveryFailed as failed:
             exc = failed.cause
             if http_status(exc) == 404:

@@ -30,10 +30,8 @@ def log_model(client, uri: str, op: dict) -> None:
         log.warning("%s: gone, so its MLflow model is not logged", path)
         return
     example = torch.tensor(op["example"], dtype=torch.float32)
-    # This training's own file, in its mode's folder (delivery.op_checker): its workload may be the project's own.
-    workload = torch.load(path, map_location="cpu", weights_only=True).get("workload") or {}
-    with torch.no_grad():
-        output = mlflow_model.build_from_weights(str(path), allow=workload.get("class_path"))(example).numpy()
+    with torch.no_grad():  # op["workload"]: the class path params.yaml names (delivery.op_checker), never the file's
+        output = mlflow_model.build_from_weights(str(path), allow=op.get("workload"))(example).numpy()
     example = example.numpy()
     mlflow.set_tracking_uri(uri)
     # Into the run's experiment, by run id: mlflow.start_run(run_id=...) would set the run

@@ -134,13 +134,14 @@ class ModeRun:
         for path in paths:
             self.outbox.put({"op": "artifact", "run": self.child_id, "path": str(path)})
 
-    def finish_parent(self, model_file: Path, example, artifacts: Iterable[Path]) -> None:
-        """Rank 0: the mode's files and its model (read back from `model_file`, with signature and
-        `example` as input example) on the parent run."""
+    def finish_parent(self, model_file: Path, example, artifacts: Iterable[Path], workload: str | None = None) -> None:
+        """Rank 0: the mode's files and its model (read back from `model_file`, built by `workload`, the
+        class path params.yaml names, with signature and `example` as input example) on the parent run."""
         for path in artifacts:
             self.outbox.put({"op": "artifact", "run": self.parent_id, "path": str(path)})
         self.outbox.put({"op": "model", "run": self.parent_id, "file": str(model_file), "mode": self.mode,
-                         "example": example.tolist(), "registered": self.config.registered_model or None})
+                         "example": example.tolist(), "registered": self.config.registered_model or None,
+                         "workload": workload})
 
     def end(self, status: str, wait_s: float | None = None) -> None:
         """End this rank's child and, on rank 0, the parent: FINISHED, or FAILED on any error. Waits
@@ -193,9 +194,11 @@ class ModeRun:
 
 
 def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str, str], params: dict[str, Any],
-                   resume: dict | None = None, outbox_dir: Path | None = None) -> ModeRun | Untracked:
+                   resume: dict | None = None, outbox_dir: Path | None = None,
+                   workload: str | None = None) -> ModeRun | Untracked:
     """Open (or, on resume, find again) the parent run on rank 0 and a child run on every rank. What is
-    logged afterwards is kept in `outbox_dir` until the server has it (None: sent at once)."""
+    logged afterwards is kept in `outbox_dir` until the server has it (None: sent at once). `workload`:
+    the class path params.yaml names, the one a model logged from the outbox may be built by."""
     if not config.enabled:
         return Untracked()
     from mlflow import MlflowClient
@@ -240,7 +243,7 @@ def start_mode_run(config: TrackingConfig, mode: str, rank: Rank, tags: dict[str
             made.append(child_id)
         children = dict(enumerate(all_gather_objects(child_id, rank)))
         outbox = outbox_for(outbox_dir, rank, uri, run_ids=[parent_id, *children.values()],
-                            registered=config.registered_model)
+                            registered=config.registered_model, workload=workload)
 
         monitor = None
         # One monitor per machine (local rank 0), on the parent, so the compare view shows them.
@@ -301,7 +304,7 @@ class Untracked:
     def log_rank_artifacts(self, paths: Iterable[Path]) -> None:
         pass
 
-    def finish_parent(self, model_file: Path, example, artifacts: Iterable[Path]) -> None:
+    def finish_parent(self, model_file: Path, example, artifacts: Iterable[Path], workload: str | None = None) -> None:
         pass
 
     def end(self, status: str, wait_s: float | None = None) -> None:

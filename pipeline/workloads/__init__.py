@@ -2,7 +2,7 @@
 (`class_path`, `init_args`) and torchtitan a `TrainSpec`.
 
     workload:
-      class_path: pipeline.workloads.mnist.Mnist   # or a module of your own: examples.tabular.Regression
+      class_path: pipeline.workloads.mnist.Mnist   # or the project's own: workloads.teamwork.Mlp
       init_args: {model: small, label_smoothing: 0.1}
 
 A workload is a subclass of `Workload`, built with `init_args` as its keyword arguments, that gives
@@ -12,11 +12,11 @@ the pipeline what is particular to it:
   loop divides by the global batch's length, so DDP's ranks, whatever their shares, add up to the
   one-device gradient: a loss that is a sum of per-sample terms keeps single = dp = ddp;
 - `metrics(outputs, targets)`: named scores of a batch, each summed over its samples (MNIST: the
-  correct answers, shown as "accuracy" once divided by the count); they are logged as
-  `train_<name>` and `val_<name>`;
+  correct answers, shown as "accuracy" once divided by the count), the same names for every batch,
+  an empty one included; they are logged as `train_<name>` and `val_<name>`;
 - `eval_loss(outputs, targets)`: the loss reported for validation, summed alike (by default `loss`);
-- `example_batch()`: a small (inputs, targets) batch, what the pipeline tries the workload on before
-  anything on disk changes.
+- `example_batch()`: a small (inputs, targets) batch shaped as the data's, what the pipeline tries
+  the workload on before anything on disk changes (and reads its metrics' names from).
 
 The optimizer and its schedule are params (train.optimizer, train.schedule), not the workload's.
 The data is still the prepared files `prepare` writes (uint8 images and integer labels); a
@@ -40,6 +40,10 @@ from pipeline.errors import ConfigError
 # Where a class path recorded in a model file may point without the loader's say-so: a file read from
 # an artifact store must not be able to import (and so run) whatever module it names.
 PACKAGE = __name__ + "."
+# Where a stage's workload may live: this package, or the project's own `workloads/` folder, which
+# dvc.yaml lists as a dependency of the stages that import it and every run records with the code
+# (pipeline.record.CODE_PACKAGES). A module anywhere else would change unseen by either.
+PROJECT = "workloads."
 
 
 class Workload:
@@ -62,6 +66,9 @@ class Workload:
 
 
 PARTS = ("build_model", "loss", "metrics", "example_batch")  # eval_loss has a default
+# Names the loop's own numbers take (val_loss, the count it divides by, train_time_s,
+# train_loss_window): a metric of one of these names would be mixed up with them.
+RESERVED = ("loss", "count", "time_s", "loss_window")
 
 
 def load_workload(config: WorkloadConfig, source: str = "params.yaml") -> Workload:
@@ -76,11 +83,7 @@ def load_workload(config: WorkloadConfig, source: str = "params.yaml") -> Worklo
     if missing:
         raise ConfigError(f"{where} does not define {', '.join(missing)}; a workload gives each of "
                           f"{', '.join(PARTS)} (pipeline/workloads/__init__.py says what each returns)")
-    try:
-        inspect.signature(cls).bind(**config.init_args)
-    except TypeError as exc:
-        raise ConfigError(f"{source}: workload.init_args = {config.init_args!r} do not fit {cls.__name__}"
-                          f"{inspect.signature(cls)} ({exc}); give it the arguments it takes") from None
+    _bound(cls, config, source)
     try:
         return cls(**config.init_args)
     except Exception as exc:  # the class refused an argument's value
@@ -88,15 +91,36 @@ def load_workload(config: WorkloadConfig, source: str = "params.yaml") -> Worklo
                           f"({type(exc).__name__}: {exc})") from None
 
 
+def _bound(cls: type, config: WorkloadConfig, source: str) -> inspect.BoundArguments:
+    try:
+        bound = inspect.signature(cls).bind(**config.init_args)
+    except TypeError as exc:
+        raise ConfigError(f"{source}: workload.init_args = {config.init_args!r} do not fit {cls.__name__}"
+                          f"{inspect.signature(cls)} ({exc}); give it the arguments it takes (dvc exp run replaces "
+                          "them whole with -S '~workload.init_args' -S '+workload.init_args={...}')") from None
+    bound.apply_defaults()
+    return bound
+
+
+def full_init_args(config: WorkloadConfig) -> dict[str, Any]:
+    """Every argument the workload is built with, its defaults filled in: `{model: small}` and
+    `{model: small, label_smoothing: 0.1}` are the same training (a checkpoint's trajectory)."""
+    cls = _import_class(config.class_path, f"workload.class_path = {config.class_path!r}")
+    return dict(_bound(cls, config, "params.yaml").arguments) if inspect.isclass(cls) else dict(config.init_args)
+
+
 def _import_class(class_path: str, where: str) -> Any:
-    # A module of the project's own (examples/, a team's package) imports from the project root, which
+    # A module of the project's own (a team's package) imports from the project root, which
     # `mnist-pipeline` puts first on sys.path, and on PYTHONPATH for every process it starts (stages/entry.py).
     module_name, _, name = class_path.rpartition(".")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
+        if exc.name and not module_name.startswith(exc.name):  # the module is there; one it imports is not
+            raise ConfigError(f"{where}: importing {module_name} failed ({type(exc).__name__}: {exc}): install what "
+                              "it imports") from None
         raise ConfigError(f"{where}: cannot import {module_name} ({exc}); check the path, or run from the project "
-                          "root that holds the module") from None
+                          "root that holds the module (and, for `dvc exp run --temp` or --queue, commit it)") from None
     except Exception as exc:
         raise ConfigError(f"{where}: importing {module_name} failed ({type(exc).__name__}: {exc})") from None
     if not hasattr(module, name):
@@ -110,7 +134,9 @@ def _kind(thing: Any) -> str:
 
 def check_workload(workload: Workload, config: WorkloadConfig, source: str = "params.yaml") -> None:
     """Try the workload on its own example batch, as the loop will call it: a model that is an
-    nn.Module, outputs a tensor, a loss and metrics that are finite scalar tensors. What returns the
+    nn.Module and outputs a tensor, a loss that is a scalar with a gradient and a sum (twice the
+    batch, twice the loss), metrics that are finite scalar sums under names of their own, the same
+    for an empty batch (a DDP rank's share of a short last batch can be empty). What returns the
     wrong kind of thing is named here, before any stage changes anything on disk."""
     where = f"{source}: workload.class_path = {config.class_path!r}"
 
@@ -130,32 +156,80 @@ def check_workload(workload: Workload, config: WorkloadConfig, source: str = "pa
         raise ConfigError(f"{where}: example_batch() must return (inputs, targets), two tensors of the same "
                           "non-zero length")
     inputs, targets = batch
+    model.eval()  # no dropout draws, no batch-norm statistics updated
+    try:
+        outputs, empty = model(inputs), model(inputs[:0])
+    except Exception as exc:
+        raise ConfigError(f"{where}: its model failed on example_batch()'s inputs, or on none of them "
+                          f"({type(exc).__name__}: {exc})") from None
+    for given in (outputs, empty):
+        if not isinstance(given, torch.Tensor) or not given.is_floating_point():
+            raise ConfigError(f"{where}: its model returned {_kind(given)}, not a floating-point tensor")
+    outputs, empty = outputs.float(), empty.float()
+    loss = _scalar(call("loss", outputs, targets), f"{where}: loss()")
+    if not loss.requires_grad:
+        raise ConfigError(f"{where}: loss() has no gradient to the model's weights (computed under no_grad, or "
+                          "detached?)")
     with torch.no_grad():
-        try:
-            outputs = model.eval()(inputs)
-        except Exception as exc:
-            raise ConfigError(f"{where}: its model failed on example_batch()'s inputs ({type(exc).__name__}: "
-                              f"{exc})") from None
-        if not isinstance(outputs, torch.Tensor) or not outputs.is_floating_point():
-            raise ConfigError(f"{where}: its model returned {_kind(outputs)}, not a floating-point tensor")
+        doubled = (torch.cat([outputs, outputs]), torch.cat([targets, targets]))
+        empty_targets = targets[:0]
         for part in ("loss", "eval_loss"):
-            _scalar(call(part, outputs, targets), f"{where}: {part}()")
-        scores = call("metrics", outputs, targets)
-        if not isinstance(scores, dict):
-            raise ConfigError(f"{where}: metrics() returned {_kind(scores)}, not a dict of name: summed score")
-        for name, value in scores.items():
-            if not (isinstance(name, str) and name.isidentifier()) or name == "loss":
-                raise ConfigError(f"{where}: metrics() named a score {name!r}; names are identifiers other than "
-                                  "'loss' (logged as train_<name>, val_<name>)")
-            _scalar(value, f"{where}: metrics()[{name!r}]")
+            once = _scalar(call(part, outputs, targets), f"{where}: {part}()")
+            _summed(once, _scalar(call(part, *doubled), f"{where}: {part}()"), f"{where}: {part}()")
+            _scalar(call(part, empty, empty_targets), f"{where}: {part}() on an empty batch")
+        once = call("metrics", outputs, targets)
+        names = _scores(once, where)
+        twice = call("metrics", *doubled)
+        if _scores(twice, where) != names:
+            raise ConfigError(f"{where}: metrics() named {names} on the example batch and {sorted(twice)} on it "
+                              "twice: name the same scores for every batch")
+        for name in names:
+            _summed(once[name], twice[name], f"{where}: metrics()[{name!r}]")
+        none = call("metrics", empty, empty_targets)
+        if _scores(none, f"{where} (on an empty batch)") != names:
+            raise ConfigError(f"{where}: metrics() named {names} on the example batch and {sorted(none)} on an "
+                              "empty batch: name the same scores for every batch")
 
 
-def _scalar(value: Any, what: str) -> None:
+def _scores(scores: Any, where: str) -> list[str]:
+    if not isinstance(scores, dict):
+        raise ConfigError(f"{where}: metrics() returned {_kind(scores)}, not a dict of name: summed score")
+    for name, value in scores.items():
+        if not (isinstance(name, str) and name.isidentifier()) or name in RESERVED:
+            raise ConfigError(f"{where}: metrics() named a score {name!r}; names are identifiers other than "
+                              f"{', '.join(RESERVED)} (logged as train_<name>, val_<name>)")
+        _scalar(value, f"{where}: metrics()[{name!r}]")
+    return sorted(scores)
+
+
+def _summed(once: torch.Tensor, twice: torch.Tensor, what: str) -> None:
+    """A sum over the samples doubles when every sample comes twice; a mean stays put."""
+    if not torch.allclose(twice.double(), 2 * once.double(), rtol=1e-4, atol=1e-6):
+        raise ConfigError(f"{what} gives {once.item():.6g} on the example batch and {twice.item():.6g} on it twice: "
+                          "return the sum over the samples (reduction=\"sum\"), not their mean; the pipeline divides "
+                          "by the global batch, so DDP's ranks add up to one device's gradient")
+
+
+def _scalar(value: Any, what: str) -> torch.Tensor:
     if not (isinstance(value, torch.Tensor) and value.dim() == 0):
         kind = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else _kind(value)
         raise ConfigError(f"{what} returned {kind}, not a scalar tensor (a sum over the batch's samples)")
     if not math.isfinite(value.item()):
-        raise ConfigError(f"{what} is {value.item()} on the example batch, not a finite number")
+        raise ConfigError(f"{what} is {value.item()}, not a finite number")
+    return value
+
+
+def score_names(workload: Workload, model: nn.Module, device: torch.device) -> list[str]:
+    """The names of the workload's metrics, in the order every rank sums them: read from its example
+    batch through `model`, so that a rank with no sample to score (a validation split smaller than
+    the world) still sends every one. In eval mode, without a gradient: no random draw, no state."""
+    inputs, targets = workload.example_batch()
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        names = sorted(workload.metrics(model(inputs.to(device)).float(), targets.to(device)))
+    model.train(was_training)
+    return names
 
 
 def default_workload() -> Workload:
@@ -164,7 +238,13 @@ def default_workload() -> Workload:
 
 
 def workload_of(config: WorkloadConfig, source: str = "params.yaml") -> Workload:
-    """load_workload, then check_workload: the workload a stage starts with."""
+    """load_workload, then check_workload: the workload a stage starts with, from this package or
+    the project's workloads/ folder."""
+    if not config.class_path.startswith((PACKAGE, PROJECT)):
+        module = config.class_path.rpartition(".")[0]
+        raise ConfigError(f"{source}: workload.class_path = {config.class_path!r} is outside the project's workloads/ "
+                          "folder, which DVC reruns the stages for and every run records with the code: move "
+                          f"{module.replace('.', '/')}.py into workloads/ and name it workloads.{config.class_path}")
     workload = load_workload(config, source)
     check_workload(workload, config, source)
     return workload
@@ -176,15 +256,16 @@ def saved_workload(saved: dict, path: Path, allow: str | None = None) -> Workloa
     this package is imported only when the caller names it in `allow` (the project's own params
     say so): a file from an artifact store cannot make its reader import a module of its choice."""
     recorded = saved.get("workload")
-    if recorded is None:  # an MNIST model file from before
+    if recorded is None and isinstance(saved.get("model"), str):  # an MNIST model file from before
         recorded = {"class_path": WorkloadConfig().class_path, "init_args": {"model": saved["model"]}}
     if not (isinstance(recorded, dict) and isinstance(recorded.get("class_path"), str)
             and isinstance(recorded.get("init_args"), dict)):
         raise ConfigError(f"{path}: its workload record {recorded!r} is not a class_path and init_args")
     config = WorkloadConfig(recorded["class_path"], recorded["init_args"])
     if not config.class_path.startswith(PACKAGE) and config.class_path != allow:
-        raise ConfigError(f"{path}: trained by workload {config.class_path}, outside this package: load it where "
-                          "the project's params.yaml names that workload")
+        raise ConfigError(f"{path}: trained by workload {config.class_path}, outside this package, which only the "
+                          "project whose params.yaml names it builds (a model file must not choose what its reader "
+                          "imports)")
     return load_workload(config, source=str(path))
 
 
