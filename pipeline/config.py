@@ -154,7 +154,7 @@ class WorkloadConfig:
     # loss, its metrics). It is imported, built and tried on its own example batch before anything
     # on disk changes.
     class_path: str = field(default=MNIST_WORKLOAD, metadata=_rule(
-        lambda v: bool(_CLASS_PATH.fullmatch(v)), "an import path, module.Class (e.g. teamwork.Mlp)"))
+        lambda v: bool(_CLASS_PATH.fullmatch(v)), "an import path, module.Class (e.g. workloads.teamwork.Mlp)"))
     # Not hashed: a dict.
     init_args: dict = field(default_factory=lambda: {"model": "small", "label_smoothing": 0.1}, hash=False, metadata=_rule(
         lambda v: all(isinstance(k, str) and _IDENTIFIER_RE.fullmatch(k) for k in v),

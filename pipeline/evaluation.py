@@ -55,8 +55,12 @@ def load_trained_model(path: Path, allow: str | None = None) -> TrainedModel:
         raise
     except Exception as exc:
         raise PipelineError(f"{path}: not a usable model file ({exc}); train this mode again") from None
-    with torch.no_grad():
-        shape = tuple(module.eval()(workload.example_batch()[0]).shape)
+    try:
+        with torch.no_grad():
+            shape = tuple(module.eval()(workload.example_batch()[0]).shape)
+    except Exception as exc:
+        raise PipelineError(f"{path}: its model failed on its workload's example batch ({type(exc).__name__}: "
+                            f"{exc}); train this mode again") from None
     if len(shape) != 2 or shape[1] != NUM_CLASSES:
         raise PipelineError(f"{path}: its model's outputs have the shape {shape} on its workload's example batch; "
                             f"evaluate scores a classifier of {NUM_CLASSES} classes (accuracy, per class, the "

@@ -151,13 +151,15 @@ def stacked(sums: dict[str, torch.Tensor], names: list[str], device: torch.devic
 
 @torch.no_grad()
 def evaluate(module: nn.Module, data: Data, indices: torch.Tensor, batch_size: int,
-             device: torch.device | None = None, workload: Workload | None = None) -> dict[str, torch.Tensor]:
+             device: torch.device | None = None, workload: Workload | None = None,
+             names: list[str] | None = None) -> dict[str, torch.Tensor]:
     """Sums over `indices` of the workload's evaluation loss ("loss"), of each of its metrics, and
     the count ("count"), float64, on `device` (by default the in-memory data's), in that order: the
-    same names on every rank, those with no sample to score included, ready for one all_reduce."""
+    same names on every rank, those with no sample to score included, ready for one all_reduce.
+    `names`: the metrics' (score_names; by default read here)."""
     workload = workload or default_workload()
     device = device or data.index_device
-    scores = zero_scores(score_names(workload, module, device), device)
+    scores = zero_scores(names if names is not None else score_names(workload, module, device), device)
     loss, count = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
     was_training = module.training
     module.eval()
@@ -257,7 +259,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
               rank: Rank, probe: Probe, show_bar: bool, desc: str, workload: Workload | None = None,
               max_grad_norm: float = 0.0, grad_accum_steps: int = 1, partial: dict | None = None,
               after_step: Callable | None = None, scaler: torch.amp.GradScaler | None = None,
-              device: torch.device | None = None):
+              device: torch.device | None = None, names: list[str] | None = None):
     """One pass over this rank's shares of the epoch's global batches, under the workload's loss (by
     default MNIST's); returns (loss sum, the workload's metrics summed (add_scores), each step's
     loss summed over this rank's share, the steps whose gradient was clipped) still on the device,
@@ -283,12 +285,13 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
     overflowed (DDP's ranks hold the same all-reduced gradient, so all skip it alike). The schedule
     steps either way: it counts steps, not updates.
 
-    `device`: where the model is (by default the in-memory data's); `order` is on data.index_device."""
+    `device`: where the model is (by default the in-memory data's); `order` is on data.index_device.
+    `names`: the workload's metrics (score_names, read once before the epochs; by default here)."""
     device = device or data.index_device
     workload = workload or default_workload()
     batches = global_batches(order, global_batch)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    scores = zero_scores(score_names(workload, unwrap(wrapped), device), device)
+    scores = zero_scores(names if names is not None else score_names(workload, unwrap(wrapped), device), device)
     clipped = torch.zeros((), dtype=torch.int64, device=device)
     losses = torch.empty(len(batches), dtype=torch.float32, device=device)
     shares, start = [], 0
@@ -392,6 +395,7 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
     steps = steps_per_epoch(len(train_split), config.batch_size)
     workload = load_workload(run.workload)
     model, optimizer, scheduler = build(config, config.epochs * steps, device, workload)
+    names = score_names(workload, model, device)  # before any epoch seeds its draws
     scaler = grad_scaler(device, config.fp16)
     checkpoint_path = run.out_dir / CHECKPOINT_FILE
 
@@ -450,7 +454,7 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
             loss_sum, scores, losses, clipped, shares = run_epoch(
                 wrapped, optimizer, scheduler, train_split, order, config.batch_size, rank,
                 probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
-                workload=workload, max_grad_norm=config.max_grad_norm,
+                workload=workload, names=names, max_grad_norm=config.max_grad_norm,
                 grad_accum_steps=config.grad_accum_steps, partial=resumed, scaler=scaler, device=device,
                 after_step=step_checkpoints(run, model, optimizer, scheduler, scaler, history, epoch, steps,
                                             lambda: rng_states(rng_devices), started - carried_s, notice))
@@ -474,7 +478,7 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
             train_sums, train_scores, step_sums = sums[:3], sums[3:3 + len(names)], sums[3 + len(names):].tolist()
             losses = losses.tolist()  # one copy per epoch
             check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
-            val = evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size, device, workload)
+            val = evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size, device, workload, names)
             val_sums = dict(zip(val, all_sum(stacked(val, list(val), device), rank)))  # [loss, *names, count], as before
             epoch_time = time.perf_counter() - started + carried_s
             breakdown = probe.results()  # before the clock's totals, which clear its marks

@@ -51,7 +51,9 @@ def project_root(start: Path) -> tuple[Path | None, str | None]:
         except OSError:  # a folder this user may not read (EACCES): none of its projects
             continue
         if found:
-            for path in (folder, *(folder / package for package in PACKAGES)):
+            # workloads/: the project's own workloads, code that runs too, where there is one.
+            own = [folder / "workloads"] if (folder / "workloads").is_dir() else []
+            for path in (folder, *(folder / package for package in PACKAGES), *own):
                 info = path.stat()
                 if info.st_uid not in (os.geteuid(), 0):
                     return None, f"{path} belongs to uid {info.st_uid}"

@@ -93,7 +93,7 @@ def commit(project: Path, message: str) -> None:
 def code_at(project: Path, commit: str) -> str:
     """The code digest a run records, of the project's code at `commit`."""
     with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "archive", commit, "pipeline", "stages"], cwd=project, check=True,
+        archive = subprocess.run(["git", "archive", commit, "pipeline", "stages", "workloads"], cwd=project, check=True,
                                  capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         return record.code_digest(record.code_folders_in(Path(tmp)))

@@ -5,6 +5,7 @@ by the stages in every mode."""
 from __future__ import annotations
 
 import json
+import math
 import textwrap
 from pathlib import Path
 
@@ -16,11 +17,13 @@ import yaml
 from pipeline import record
 from pipeline.checkpoint import settings_changed, trajectory
 from pipeline.config import TrainConfig, WorkloadConfig, config_from_dict, flatten
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.loop import add_scores, zero_scores
 from pipeline.tracking.delivery import op_checker
 from pipeline.workloads import check_workload, full_init_args, load_workload, saved_workload, workload_of
 from pipeline.workloads.mnist import Mnist
 from tests.conftest import SMALL, load_weights, make_project, prepare, project_env, relative_difference, run, train_cli
+from tests.ddp_harness import learnable_data, run_ranks, train_config, train_each
 
 # A team's workload: an MLP over the same images, a margin loss and a top-2 score. Per-sample terms,
 # so its DDP training is its single training, to rounding.
@@ -224,6 +227,23 @@ def test_a_model_file_builds_only_a_workload_its_reader_allows(team_module, tmp_
     check({**line, "workload": "teamwork.Mlp"})
     with pytest.raises(ValueError, match="workload.class_path says 'teamwork.Mlp'"):
         check({**line, "workload": "models.single.evil.X"})
+
+
+@pytest.mark.fast
+def test_every_batch_sums_the_scores_the_example_batch_named():
+    sums = zero_scores(["accuracy"], torch.device("cpu"))
+    add_scores(sums, {"accuracy": torch.tensor(3)})
+    assert sums["accuracy"].item() == 3 and sums["accuracy"].dtype == torch.float64
+    with pytest.raises(PipelineError, match=r"named \['class_1'\] on a batch and \['accuracy'\] on its example"):
+        add_scores(sums, {"class_1": torch.tensor(1)})
+
+
+def test_a_rank_with_no_validation_sample_still_sends_every_metric(tmp_path):
+    """One validation sample at two ranks: rank 1 scores nothing, yet its epoch's all_reduce carries
+    the same sums as rank 0's (their names come from the example batch, not from the batches seen)."""
+    run_ranks(2, train_each, [train_config(batch_size=16)], learnable_data(64), learnable_data(1, seed=1), tmp_path)
+    epoch = torch.load(tmp_path / "0.pt", weights_only=False)["history"][0]
+    assert epoch["val_accuracy"] in (0.0, 1.0) and math.isfinite(epoch["val_loss"])
 
 
 def test_a_teams_workload_outside_the_package_trains_in_every_mode_and_is_evaluated(tmp_path, mnist_dir):

@@ -146,7 +146,8 @@ def outbox_for(folder: Path | None, rank: Rank, uri: str, run_ids: Iterable[str]
 def send_kept(folder: Path, uri: str | None = None, registered: str | None = None,
               workload: str | None = None) -> int | None:
     """Send what trainings left in `folder` (a mode's outbox) to the current store (`uri`, else
-    MLFLOW_TRACKING_URI or the default): the `send-runs` command. Where the calls go is the
+    MLFLOW_TRACKING_URI or the default): the `send-runs` command. A kept model is built by the
+    workload its run's params name in the store (`workload`, params.yaml's, where they name none). Where the calls go is the
     user's setting now, never what a file says; a line may only touch the runs the mode's
     mlflow_run.json names. Returns how many calls were sent (None: nothing was kept)."""
     from functools import partial
@@ -172,6 +173,12 @@ def send_kept(folder: Path, uri: str | None = None, registered: str | None = Non
         raise PipelineError(f"{ids_file}: missing or without run ids, so nothing says which runs the calls kept in "
                             f"{folder} belong to; none is sent. Drop them with {discard}")
     run_ids = [ids["parent"], *ids.get("children", {}).values()]
+    # The workload the training named, as its run holds it in the store (params.yaml may have moved
+    # on since, to another experiment's): the one a kept model may be built by.
+    try:
+        workload = MlflowClient(uri).get_run(ids["parent"]).data.params.get("workload.class_path") or workload
+    except Exception:  # no such run: its lines are refused below, one by one
+        pass
     sent = 0
     for path in kept:
         target = path.with_suffix(".target")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from pipeline.atomic import in_the_way
 from pipeline.config import TrackingConfig
-from pipeline.errors import PipelineError
+from pipeline.errors import ConfigError, PipelineError
 
 if TYPE_CHECKING:  # pipeline.parallel imports torch, which compare and send-runs never need
     from pipeline.parallel import Rank
@@ -98,6 +98,8 @@ def refused(exc: BaseException) -> bool:
         return status < 500 and status not in (408, 429)
     if isinstance(exc, OSError):
         return exc.errno in REFUSING_ERRNOS and type(exc).__module__.split(".")[0] not in ("requests", "urllib3")
+    if isinstance(exc, ConfigError):  # a call that can never be made as it is: a model's workload refused
+        return True
     return isinstance(exc, (ValueError, KeyError, TypeError)) and type(exc).__module__.split(".")[0] != "mlflow"
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,8 @@ def load_workload(config: WorkloadConfig, source: str = "params.yaml") -> Worklo
 def _bound(cls: type, config: WorkloadConfig, source: str) -> inspect.BoundArguments:
     try:
         bound = inspect.signature(cls).bind(**config.init_args)
+    except ValueError:  # no signature to read (a class built in C): the class itself says at its call
+        return inspect.Signature().bind()
     except TypeError as exc:
         raise ConfigError(f"{source}: workload.init_args = {config.init_args!r} do not fit {cls.__name__}"
                           f"{inspect.signature(cls)} ({exc}); give it the arguments it takes (dvc exp run replaces "
@@ -104,9 +107,20 @@ def _bound(cls: type, config: WorkloadConfig, source: str) -> inspect.BoundArgum
 
 def full_init_args(config: WorkloadConfig) -> dict[str, Any]:
     """Every argument the workload is built with, its defaults filled in: `{model: small}` and
-    `{model: small, label_smoothing: 0.1}` are the same training (a checkpoint's trajectory)."""
+    `{model: small, label_smoothing: 0.1}` are the same training (a checkpoint's trajectory). A
+    default that is not plain data (an enum, a class) as its repr: a checkpoint holds plain data."""
     cls = _import_class(config.class_path, f"workload.class_path = {config.class_path!r}")
-    return dict(_bound(cls, config, "params.yaml").arguments) if inspect.isclass(cls) else dict(config.init_args)
+    if not inspect.isclass(cls):
+        return dict(config.init_args)
+    return {name: value if name in config.init_args else _plain(value)
+            for name, value in _bound(cls, config, "params.yaml").arguments.items()}
+
+
+def _plain(value: Any) -> Any:
+    try:
+        return value if json.loads(json.dumps(value)) == value else repr(value)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def _import_class(class_path: str, where: str) -> Any:
@@ -116,7 +130,7 @@ def _import_class(class_path: str, where: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        if exc.name and not module_name.startswith(exc.name):  # the module is there; one it imports is not
+        if exc.name and not (module_name == exc.name or module_name.startswith(exc.name + ".")):  # one it imports
             raise ConfigError(f"{where}: importing {module_name} failed ({type(exc).__name__}: {exc}): install what "
                               "it imports") from None
         raise ConfigError(f"{where}: cannot import {module_name} ({exc}); check the path, or run from the project "
@@ -140,12 +154,11 @@ def check_workload(workload: Workload, config: WorkloadConfig, source: str = "pa
     wrong kind of thing is named here, before any stage changes anything on disk."""
     where = f"{source}: workload.class_path = {config.class_path!r}"
 
-    def call(part: str, *args):
+    def call(part: str, *args, on: str = "its example batch"):
         try:
             return getattr(workload, part)(*args)
         except Exception as exc:
-            raise ConfigError(f"{where}: its {part}() failed on its example batch ({type(exc).__name__}: "
-                              f"{exc})") from None
+            raise ConfigError(f"{where}: its {part}() failed on {on} ({type(exc).__name__}: {exc})") from None
 
     model = call("build_model")
     if not isinstance(model, nn.Module):
@@ -158,15 +171,24 @@ def check_workload(workload: Workload, config: WorkloadConfig, source: str = "pa
     inputs, targets = batch
     model.eval()  # no dropout draws, no batch-norm statistics updated
     try:
-        outputs, empty = model(inputs), model(inputs[:0])
+        with torch.enable_grad():
+            outputs = model(inputs)
     except Exception as exc:
-        raise ConfigError(f"{where}: its model failed on example_batch()'s inputs, or on none of them "
-                          f"({type(exc).__name__}: {exc})") from None
+        raise ConfigError(f"{where}: its model failed on example_batch()'s inputs ({type(exc).__name__}: "
+                          f"{exc})") from None
+    try:
+        with torch.no_grad():
+            empty = model(inputs[:0])
+    except Exception as exc:
+        raise ConfigError(f"{where}: its model failed on an empty batch ({type(exc).__name__}: {exc}), which a DDP "
+                          "rank's share of a short last batch can be: reshape with torch.flatten(x, 1), not "
+                          "x.view(len(x), -1)") from None
     for given in (outputs, empty):
         if not isinstance(given, torch.Tensor) or not given.is_floating_point():
             raise ConfigError(f"{where}: its model returned {_kind(given)}, not a floating-point tensor")
     outputs, empty = outputs.float(), empty.float()
-    loss = _scalar(call("loss", outputs, targets), f"{where}: loss()")
+    with torch.enable_grad():
+        loss = _scalar(call("loss", outputs, targets), f"{where}: loss()")
     if not loss.requires_grad:
         raise ConfigError(f"{where}: loss() has no gradient to the model's weights (computed under no_grad, or "
                           "detached?)")
@@ -175,17 +197,18 @@ def check_workload(workload: Workload, config: WorkloadConfig, source: str = "pa
         empty_targets = targets[:0]
         for part in ("loss", "eval_loss"):
             once = _scalar(call(part, outputs, targets), f"{where}: {part}()")
-            _summed(once, _scalar(call(part, *doubled), f"{where}: {part}()"), f"{where}: {part}()")
-            _scalar(call(part, empty, empty_targets), f"{where}: {part}() on an empty batch")
+            twice = _scalar(call(part, *doubled, on="its example batch twice over"), f"{where}: {part}()")
+            _summed(once, twice, f"{where}: {part}()")
+            _scalar(call(part, empty, empty_targets, on="an empty batch"), f"{where}: {part}() on an empty batch")
         once = call("metrics", outputs, targets)
         names = _scores(once, where)
-        twice = call("metrics", *doubled)
+        twice = call("metrics", *doubled, on="its example batch twice over")
         if _scores(twice, where) != names:
             raise ConfigError(f"{where}: metrics() named {names} on the example batch and {sorted(twice)} on it "
                               "twice: name the same scores for every batch")
         for name in names:
             _summed(once[name], twice[name], f"{where}: metrics()[{name!r}]")
-        none = call("metrics", empty, empty_targets)
+        none = call("metrics", empty, empty_targets, on="an empty batch")
         if _scores(none, f"{where} (on an empty batch)") != names:
             raise ConfigError(f"{where}: metrics() named {names} on the example batch and {sorted(none)} on an "
                               "empty batch: name the same scores for every batch")
@@ -222,7 +245,8 @@ def _scalar(value: Any, what: str) -> torch.Tensor:
 def score_names(workload: Workload, model: nn.Module, device: torch.device) -> list[str]:
     """The names of the workload's metrics, in the order every rank sums them: read from its example
     batch through `model`, so that a rank with no sample to score (a validation split smaller than
-    the world) still sends every one. In eval mode, without a gradient: no random draw, no state."""
+    the world) still sends every one. In eval mode, without a gradient: the model draws nothing and
+    changes no state (the loop asks once, before it seeds an epoch's draws)."""
     inputs, targets = workload.example_batch()
     was_training = model.training
     model.eval()
@@ -240,14 +264,26 @@ def default_workload() -> Workload:
 def workload_of(config: WorkloadConfig, source: str = "params.yaml") -> Workload:
     """load_workload, then check_workload: the workload a stage starts with, from this package or
     the project's workloads/ folder."""
+    module = config.class_path.rpartition(".")[0]
+    outside = (f"{source}: workload.class_path = {config.class_path!r} is outside the project's workloads/ folder, "
+               "which DVC reruns the stages for and every run records with the code: move "
+               f"{module.replace('.', '/')}.py into workloads/ and name it workloads.{config.class_path}")
     if not config.class_path.startswith((PACKAGE, PROJECT)):
-        module = config.class_path.rpartition(".")[0]
-        raise ConfigError(f"{source}: workload.class_path = {config.class_path!r} is outside the project's workloads/ "
-                          "folder, which DVC reruns the stages for and every run records with the code: move "
-                          f"{module.replace('.', '/')}.py into workloads/ and name it workloads.{config.class_path}")
+        raise ConfigError(outside)
     workload = load_workload(config, source)
+    found = Path(inspect.getfile(type(workload))).resolve()
+    if not any(found.is_relative_to(folder.resolve()) for folder in (Path(__file__).parent, project_workloads())):
+        raise ConfigError(f"{outside.split(' is outside')[0]} was imported from {found}, not from the project's "
+                          "workloads/ folder: make one (a workloads/__init__.py) and keep the module there")
     check_workload(workload, config, source)
     return workload
+
+
+def project_workloads() -> Path:
+    """The project's own workloads/ folder (pipeline.record.code_folders records it)."""
+    from pipeline.record import project_folder
+
+    return project_folder() / "workloads"
 
 
 def saved_workload(saved: dict, path: Path, allow: str | None = None) -> Workload:
