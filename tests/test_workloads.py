@@ -168,6 +168,7 @@ def test_a_workload_that_cannot_work_is_refused_in_one_line_naming_what_is_wrong
     assert "Mnist refused them (ValueError: model = 'resnet'" in refusal("pipeline.workloads.mnist.Mnist",
                                                                        model="resnet")
     assert "label_smoothing = 1.0" in refusal("pipeline.workloads.mnist.Mnist", label_smoothing=1.0)
+    assert "its build_model() failed (TypeError: " in refusal("teamwork.Mlp", hidden="64")
     check_workload(load_workload(WorkloadConfig("teamwork.Mlp", {"hidden": 8})), WorkloadConfig("teamwork.Mlp"))
     # A stage's workload lives where DVC and the runs' record see its changes.
     with pytest.raises(ConfigError, match=r"outside the project's workloads/ folder, .*: move teamwork.py into "

@@ -160,7 +160,11 @@ def check_workload(workload: Workload, config: WorkloadConfig, source: str = "pa
         except Exception as exc:
             raise ConfigError(f"{where}: its {part}() failed on {on} ({type(exc).__name__}: {exc})") from None
 
-    model = call("build_model")
+    try:
+        model = workload.build_model()
+    except Exception as exc:  # most often an init_args value of the wrong kind
+        raise ConfigError(f"{where}: its build_model() failed ({type(exc).__name__}: {exc}); check "
+                          f"workload.init_args = {config.init_args!r}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{where}: build_model() returned {_kind(model)}, not a torch.nn.Module")
     batch = call("example_batch")
