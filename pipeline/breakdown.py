@@ -294,6 +294,7 @@ class Probe:
             if self.clock.cuda:
                 torch.cuda.synchronize()  # the traced steps' kernels are the steps' own time
             started = time.perf_counter()
+            settle_collectives()
             self.profiler.stop()
             self.trace_file = export_trace(self.profiler, self.trace_dir, self.clock.cuda)
             self.profiler = None
@@ -415,6 +416,17 @@ def export_trace(profiler, folder: Path | None, cuda: bool) -> Path | None:
     return path
 
 
+def settle_collectives() -> None:
+    """Wait until gloo has ended every collective's profiler event. gloo completes a collective's
+    future, which lets DDP's backward return, before its worker thread closes the collective's
+    RecordFunction; a profiler stopped in between frees the event that thread then writes to (a
+    heap corrupted at `profiler.stop()`, seen once in a full MNIST DDP training). gloo's barrier
+    waits for every running and queued work of the group first. Every rank stops its trace at the
+    same step (the trace's place comes from the global batch count), so all take part."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.barrier()
+
+
 def timeline(trace_file: Path, rank: int, steps: int = 2) -> list[dict]:
     """The traced steps as bars to draw: [lane, name, start ms, duration ms] from the Chrome trace,
     times from the first phase's start. Lanes: the training thread's phases (and DataParallel's
@@ -432,7 +444,7 @@ def timeline(trace_file: Path, rank: int, steps: int = 2) -> list[dict]:
             continue
         if name in PHASES or name.startswith("dp:"):
             lane = "phases" if name in PHASES else "DataParallel"
-        elif name.startswith(COMM_EVENT_PREFIXES):
+        elif name.startswith(COMM_EVENT_PREFIXES) and name != "gloo:barrier":  # settle_collectives' own
             lane = "collectives"
         elif e.get("cat") == "kernel":
             device = (e.get("args") or {}).get("device")
