@@ -71,8 +71,10 @@ def test_a_training_killed_mid_epoch_resumes_bit_for_bit(tmp_path, world):
         assert {key: after[key] for key in EXACT} == {key: before[key] for key in EXACT}
     assert resumed["history"][-1]["resumed_at_step"] == KILLED_AFTER - 10
     assert "resumed_at_step" not in resumed["history"][0] and "breakdown" not in resumed["history"][-1]
-    # Its times hold the steps before the kill too: not just the 4 after it.
-    assert resumed["history"][-1]["train_time_s"] > 0.5 * whole["history"][-1]["train_time_s"]
+    # Its time holds the steps before the kill too, not just the 4 after it: more than what the
+    # checkpoint carried (a bound that needs no second clock, so a noisy host cannot break it).
+    carried = max(part["wall_s"] for part in saved["in_epoch"]["ranks"])
+    assert carried > 0 and resumed["history"][-1]["train_time_s"] > carried
 
 
 @pytest.mark.fast
