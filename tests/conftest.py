@@ -93,8 +93,9 @@ LONGEST_FIRST = ("test_multinode", "test_warm", "test_dvc_pipeline", "test_repro
 def pytest_collection_modifyitems(config, items) -> None:
     rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
-    # Every test's timeout by today's slowness, at most doubled (a hung test must still end within
-    # CI's limit, with pytest-timeout's stacks): its own marker's, else pytest-timeout's setting
+    # Every test's timeout by today's slowness, at least 1.5 times (the slowness is measured once, at
+    # the start, and a shared machine can slow down later) and at most doubled (a hung test must
+    # still end within CI's limit, with pytest-timeout's stacks): its own marker's, else pytest-timeout's setting
     # (--timeout, then PYTEST_TIMEOUT, then the ini's), as that plugin looks it up.
     if config.option.collectonly or not config.pluginmanager.hasplugin("timeout"):
         return
@@ -106,7 +107,8 @@ def pytest_collection_modifyitems(config, items) -> None:
         timeout = float((marker.args[0] if marker and marker.args else kwargs.pop("timeout", default)) or 0)
         kwargs.pop("timeout", None)
         if timeout > 0:
-            item.add_marker(pytest.mark.timeout(min(scaled(timeout), 2 * timeout), *(marker.args[1:] if marker else ()),
+            item.add_marker(pytest.mark.timeout(min(max(scaled(timeout), 1.5 * timeout), 2 * timeout),
+                                                *(marker.args[1:] if marker else ()),
                                                 **kwargs), append=False)
 
 

@@ -44,9 +44,9 @@ def test_sigterm_to_the_containers_pid_1_ends_every_run_failed(tmp_path, mnist_d
         assert Path(f"/proc/{pid_1}/comm").read_text().strip() == "dumb-init"
         os.kill(pid_1, signal.SIGTERM)
         try:
-            output, _ = proc.communicate(timeout=scaled(30))
+            output, _ = proc.communicate(timeout=scaled(60))  # a hang, not a busy host's slow exit
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the process tree was still running {scaled(30):.0f} s after SIGTERM to PID 1")
+            pytest.fail(f"the process tree was still running {scaled(60):.0f} s after SIGTERM to PID 1")
     finally:
         if proc.poll() is None:
             os.kill(pid_1, signal.SIGKILL)  # the namespace's init: everything in it goes with it

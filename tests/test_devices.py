@@ -220,27 +220,33 @@ def pick_on_the_stand_in(folder: Path, wanted: str = "auto", **env: str) -> subp
                           env=subprocess_env(LD_LIBRARY_PATH=str(folder), STAND_IN_GPUS="2", **env), timeout=120)
 
 
-@pytest.mark.fast
-def test_gpus_hidden_from_the_process_are_not_an_old_driver(tmp_path):
+# One case in the fast tier (each is two processes that import torch); the suite runs them all.
+@pytest.mark.parametrize("visible, cause", [
+    pytest.param("", "CUDA_VISIBLE_DEVICES='' hides the 2 GPU(s) the NVIDIA driver shows", marks=pytest.mark.fast),
+    ("-1", "CUDA_VISIBLE_DEVICES='-1' hides the 2 GPU(s) the NVIDIA driver shows"),
+    ("NoDevFiles", "CUDA_VISIBLE_DEVICES='NoDevFiles' hides the 2 GPU(s)"),
+    (None, "the NVIDIA driver shows 2 GPU(s), but "),
+])
+def test_gpus_hidden_from_the_process_are_not_an_old_driver(tmp_path, visible, cause):
     """The stand-in driver shows 2 GPUs (NVML ignores CUDA_VISIBLE_DEVICES) that CUDA cannot use:
     hidden by CUDA_VISIBLE_DEVICES, or with no device file open to the process (a Slurm job that
     asked for none, MIG without instances), auto trains on the CPU and says why in one line; cuda
     is refused naming the same cause. Only a driver whose CUDA is older than the wheels' is blamed."""
     build_stand_in_driver(tmp_path)
-    for visible, cause in (("", "CUDA_VISIBLE_DEVICES='' hides the 2 GPU(s) the NVIDIA driver shows"),
-                           ("-1", "CUDA_VISIBLE_DEVICES='-1' hides the 2 GPU(s) the NVIDIA driver shows"),
-                           ("NoDevFiles", "CUDA_VISIBLE_DEVICES='NoDevFiles' hides the 2 GPU(s)"),
-                           (None, "the NVIDIA driver shows 2 GPU(s), but ")):
-        env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
-        done = pick_on_the_stand_in(tmp_path, **env)
-        assert done.returncode == 0 and done.stdout.strip() == "device: cpu", done.stderr[-2000:]
-        said = done.stderr.strip().splitlines()
-        assert len(said) == 1 and said[0].startswith(f"no usable GPU: {cause}"), said
-        refused = pick_on_the_stand_in(tmp_path, "cuda", **env)
-        assert refused.returncode == 1 and f"train.device is cuda, but no GPU is visible: {cause}" in refused.stderr
-        assert "Update the driver" not in done.stderr + refused.stderr
-    # A driver whose CUDA is older than the wheels' (12.2 against 13.0) is still the driver's fault,
-    # unless CUDA_VISIBLE_DEVICES asks for no GPU at all (reproduce's advice for a CPU run).
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    done = pick_on_the_stand_in(tmp_path, **env)
+    assert done.returncode == 0 and done.stdout.strip() == "device: cpu", done.stderr[-2000:]
+    said = done.stderr.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith(f"no usable GPU: {cause}"), said
+    refused = pick_on_the_stand_in(tmp_path, "cuda", **env)
+    assert refused.returncode == 1 and f"train.device is cuda, but no GPU is visible: {cause}" in refused.stderr
+    assert "Update the driver" not in done.stderr + refused.stderr
+
+
+def test_a_driver_older_than_the_wheels_is_blamed_unless_no_gpu_is_asked_for(tmp_path):
+    """A driver whose CUDA is older than the wheels' (12.2 against 13.0) is still the driver's fault,
+    unless CUDA_VISIBLE_DEVICES asks for no GPU at all (reproduce's advice for a CPU run)."""
+    build_stand_in_driver(tmp_path)
     old = {"STAND_IN_CUDA_VERSION": "12020", "STAND_IN_DRIVER_VERSION": "535.104.05"}
     done = pick_on_the_stand_in(tmp_path, **old)
     assert done.returncode == 1 and ("PipelineError: the NVIDIA driver 535.104.05 shows 2 GPU(s), supports CUDA 12.2, "

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from tests.conftest import SMALL, make_project, prepare, project_env, run, subprocess_env, train_cli
+from tests.conftest import SMALL, make_project, prepare, project_env, run, scaled, subprocess_env, train_cli
 from tests.test_start_checks import assert_refused_and_untouched, digests, plant_previous_training
 
 
@@ -34,7 +34,9 @@ def hold_sqlite_lock(store: Path, seconds: float) -> subprocess.Popen:
         "import sqlite3, sys, time\n"
         f"db = sqlite3.connect({str(store)!r}, isolation_level=None)\n"
         "db.execute('PRAGMA journal_mode=WAL'); db.execute('BEGIN EXCLUSIVE')\n"
-        f"print('locked', flush=True); time.sleep({seconds}); db.execute('ROLLBACK')\n")],
+        # The moment it lets go, on the clock every process shares.
+        f"print('locked', flush=True); time.sleep({seconds}); print(time.monotonic(), flush=True); "
+        "db.execute('ROLLBACK')\n")],
         stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline() == "locked\n"
     return holder
@@ -68,13 +70,14 @@ def test_a_lock_released_in_time_only_delays_the_start(tmp_path):
     store = tmp_path / "mlflow.db"
     sqlite3.connect(store).execute("CREATE TABLE t (x)")
     holder = hold_sqlite_lock(store, 2)
-    started = time.monotonic()
     try:
         check_store(f"sqlite:///{store}")
+        returned = time.monotonic()
+        let_go = float(holder.stdout.readline())
     finally:
         holder.kill()
         holder.wait()
-    assert time.monotonic() - started > 1  # it met the lock and waited it out
+    assert returned > let_go  # it met the lock and waited it out
 
 
 def test_a_locked_store_is_named_as_locked_not_by_sqlalchemys_note():
@@ -225,12 +228,15 @@ def test_params_edited_during_a_training_fail_the_stage_naming_the_keys(project)
     shutil.rmtree(out, ignore_errors=True)
     params = project / "params.yaml"
     original = params.read_text()
+    # Paused after each step (the weights are the same): the edit below lands while it trains, however
+    # late this process wakes.
     proc = subprocess.Popen(["mnist-pipeline", "train", "--mode", "single"], cwd=project,
-                            env=subprocess_env(**project_env(project)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            env=subprocess_env(**project_env(project, MNIST_PIPELINE_STEP_PAUSE_S="0.2")),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (out / "unfinished.json").is_file() and time.monotonic() < deadline:
+        deadline = time.monotonic() + scaled(300)
+        while not (out / "unfinished.json").is_file():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
             time.sleep(0.1)
         edited = yaml.safe_load(original)
         edited["train"]["lr"] = 0.0001

@@ -523,8 +523,10 @@ def test_a_preemption_notice_requeues_the_job_which_goes_on_from_the_step_in_its
 
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**train, "launcher": "slurm"}})
     prepare(project, mnist_dir)
+    # Paused after each step (the weights are the same): the notice below reaches a training that
+    # is still running, however long scancel and Slurm take to pass it on.
     env = {**slurm, **project_env(project, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=tracking_server,
-                                  **CREDENTIALS)}
+                                  MNIST_PIPELINE_STEP_PAUSE_S="0.1", **CREDENTIALS)}
     proc = hosts[0].popen(["mnist-pipeline", "train", "--mode", "ddp"], cwd=project, env=env,
                           log=tmp_path / "train.log")
     logs = project / "models/ddp/logs"

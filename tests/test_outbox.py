@@ -92,7 +92,7 @@ def test_a_refusal_stops_sending_at_once_with_the_servers_reason(tmp_path):
     box.put({"n": 0})
     box.put({"n": 1})
     started = time.monotonic()
-    assert box.drain(60) == 2 and time.monotonic() - started < 5  # not the outage wait
+    assert box.drain(60) == 2 and time.monotonic() - started < 30  # not the outage wait (60 s)
     assert "Read-only file system" in str(box.refusal) and server.got == [0]  # asked once, not again
     box.close()
     assert len((tmp_path / "box/rank-0.jsonl").read_text().splitlines()) == 2  # kept for send-runs

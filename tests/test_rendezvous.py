@@ -69,7 +69,7 @@ def test_the_trainjob_fails_in_seconds_on_a_held_rendezvous_port(squatter, node_
     result, took = timed(["sh", "-ec", trainjob_script()], PET_NODE_RANK=node_rank, PET_MASTER_ADDR="127.0.0.1",
                          PET_MASTER_PORT=str(squatter.port), PET_NNODES="2", PET_NPROC_PER_NODE="1")
     assert result.returncode != 0 and message in result.stderr, result.stderr
-    assert took < scaled(30) and "torch.distributed.elastic" not in result.stderr  # torchrun never started
+    assert took < 15 + scaled(30) and "torch.distributed.elastic" not in result.stderr  # torchrun never started
 
 
 def test_the_docs_torchrun_line_fails_in_seconds_on_a_held_port(squatter):
@@ -80,7 +80,7 @@ def test_the_docs_torchrun_line_fails_in_seconds_on_a_held_port(squatter):
     line = block.replace("10.0.0.1:29400", f"127.0.0.1:{squatter.port}").replace("--host", "--client")
     line = line.replace("is_host=1", "is_host=0").replace("--local-addr 10.0.0.1", "--local-addr 127.0.0.1")
     result, took = timed(["bash", "-c", line])
-    assert result.returncode != 0 and HELD in result.stderr and took < scaled(30), result.stderr
+    assert result.returncode != 0 and HELD in result.stderr and took < 15 + scaled(30), result.stderr
 
 
 def test_the_check_lets_a_real_rendezvous_through_and_waits_for_a_late_host():
@@ -113,5 +113,7 @@ def test_ctrl_c_ends_the_check_at_once(squatter):
         pytest.fail(f"the check never reached the store's handshake: {proc.communicate()}")
     proc.send_signal(signal.SIGINT)
     started = time.monotonic()
-    proc.wait(timeout=10)
-    assert time.monotonic() - started < 3 and proc.returncode != 0
+    # Without Ctrl-C reaching it, the check would wait out the store's ANSWER_S (10 s) or hang:
+    # well under that is "at once" on any host, however busy.
+    proc.wait(timeout=30)
+    assert time.monotonic() - started < 7 and proc.returncode != 0

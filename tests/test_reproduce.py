@@ -417,7 +417,7 @@ def test_a_stopped_reproduction_stops_its_training(trained):
             for line in proc.stdout:
                 if line.startswith(f"reproduce: training {mode} as run"):
                     break
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + scaled(300)
             while len(runs_reproducing(client, original)) < started + (3 if mode == "ddp" else 1):
                 assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()[-3000:]
                 time.sleep(0.2)

@@ -142,7 +142,8 @@ def test_a_dvc_repro_runs_every_stage_but_the_first_in_one_server(tmp_path, mnis
         # initialised (pipeline/runtime/driver.py), which initialises nothing.
         assert {pid for pid, _ in calls} - {server}, calls
         assert {call for pid, call in calls if pid == server} <= {"cuDeviceGetCount", "nvmlDeviceGetCount_v2"}, calls
-        deadline = time.monotonic() + warm_server.LINGER_S + 10
+        # Well before the idle time ends it (30 s after the last command), on a busy host too.
+        deadline = time.monotonic() + warm_server.LINGER_S + 20
         while alive(int(server)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not alive(int(server)) and not servers_for(project)
@@ -406,7 +407,9 @@ def test_a_command_longer_than_the_idle_time_leaves_its_server_serving(served):
     project = served
     params = project / "long.yaml"
     params.write_text((project / "params.yaml").read_text().replace("epochs: 2", "epochs: 500"))
-    idle = scaled(2)  # the next command must reach the server within it: a process start, on a slow day too
+    # The next command must reach the server within it: a process start, on a busy day too. The
+    # bug this catches (idle counted from a command's start) ends the server whatever its length.
+    idle = scaled(10)
     env = warm_env(project, MNIST_PIPELINE_WARM_IDLE_S=f"{idle:g}")
     client = subprocess.Popen(["mnist-pipeline", "train", "--mode", "single", "--params", str(params)], cwd=project,
                               env=env, text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -426,7 +429,7 @@ def test_a_command_longer_than_the_idle_time_leaves_its_server_serving(served):
 
 def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
     project = served
-    idle = f"{scaled(3):g}"  # the probes below must reach the server before it ends, on a slow day too
+    idle = f"{scaled(15):g}"  # the probes below must reach the server before it ends, on a busy day too
     env = warm_env(project, MNIST_PIPELINE_WARM_IDLE_S=idle)
     done = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", "missing.yaml"], cwd=project,
                           env=env, capture_output=True, text=True, timeout=300)
@@ -462,7 +465,7 @@ def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
         other = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", probe],
                                capture_output=True, text=True, timeout=60)
         assert other.returncode == 0, other.stderr
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + float(idle) + 30
     while time.monotonic() < deadline and alive(server):
         time.sleep(0.2)
     assert not alive(server)
@@ -575,7 +578,7 @@ def test_a_name_that_takes_no_connection_is_passed_over_within_seconds():
         finally:
             signal.alarm(0)
             signal.signal(signal.SIGALRM, previous)
-        assert time.monotonic() - started < warm.CONNECT_TIMEOUT_S + 2
+        assert time.monotonic() - started < warm.CONNECT_TIMEOUT_S + 8  # the alarm catches a hang
     finally:
         for sock in (*queued, squatter):
             sock.close()
