@@ -200,11 +200,25 @@ class CommcheckConfig:
                               f"{self.min_bytes}; allowed: max_bytes >= min_bytes")
 
 
+GATE = re.compile(r"^\s*([A-Za-z_]\w*)\s*(>=|<=)\s*([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*$")
+
+
+def parse_gate(text: str) -> tuple[str, str, float] | None:
+    """evaluate.gate, "abs_error <= 0.5": (metric, ">=" or "<=", bound); None where it is empty."""
+    if not text.strip():
+        return None
+    name, op, bound = GATE.match(text).groups()
+    return name, op, float(bound)
+
+
 @dataclass(frozen=True)
 class EvaluateConfig:
     batch_size: int = field(default=2000, metadata=_at_least(1))
     # The quality gate: a model below this test accuracy fails the evaluate stage (and dvc repro).
     min_test_accuracy: float = field(default=0.9, metadata=_rule(lambda v: 0 <= v <= 1, "between 0 and 1"))
+    # Another test score's bound, for any workload: "<metric> >= <number>" or "<metric> <= <number>".
+    gate: str = field(default="", metadata=_rule(lambda v: not v.strip() or GATE.match(v) is not None,
+                                                 "'' or '<metric> >= <number>' or '<metric> <= <number>'"))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Test-set evaluation of a trained model: accuracy, loss, per-class accuracy, confusion matrix."""
+"""Test-set evaluation of a trained model: its workload's loss and metrics, and for a classifier
+(MNIST's) accuracy, per-class accuracy and the confusion matrix."""
 
 from __future__ import annotations
 
@@ -10,32 +11,40 @@ from torch import nn
 
 from pipeline.errors import PipelineError
 from pipeline.plotting import pyplot
-from pipeline.prepared import NUM_CLASSES
 from pipeline.workloads import Workload, default_workload, saved_workload
 
 
 @dataclass(frozen=True)
 class TrainedModel:
     module: nn.Module
-    mean: float
-    std: float
-    workload: Workload  # what built it: its loss is the one evaluated
+    workload: Workload  # what built it: its data, and its loss, are the ones evaluated
 
 
 @dataclass(frozen=True)
 class Evaluation:
-    accuracy: float
     loss: float
-    per_class_accuracy: list[float]
-    confusion: torch.Tensor  # [actual, predicted] counts
-    predictions: torch.Tensor  # int64 [N]
+    count: int
+    metrics: dict[str, float]  # the workload's, each its sum over the test set divided by the count
+    # A classifier's (outputs [N, classes], targets class indices); None for other workloads.
+    accuracy: float | None = None
+    per_class_accuracy: list[float] | None = None
+    confusion: torch.Tensor | None = None  # [actual, predicted] counts
+    predictions: torch.Tensor | None = None  # int64 [N]
+    sample: tuple[torch.Tensor, torch.Tensor] | None = None  # other workloads': some (outputs, targets), to plot
+
+    def scores(self) -> dict[str, float]:
+        """Every named test score: the workload's metrics, and a classifier's accuracy."""
+        return {**self.metrics, **({"accuracy": self.accuracy} if self.accuracy is not None else {}), "loss": self.loss}
 
     def summary(self) -> dict:
+        if self.accuracy is None:
+            return {**self.metrics, "loss": self.loss, "count": self.count}
         return {
             "accuracy": self.accuracy,
             "loss": self.loss,
             "per_class_accuracy": {str(c): acc for c, acc in enumerate(self.per_class_accuracy)},
-            "count": int(self.confusion.sum()),
+            "count": self.count,
+            **{name: value for name, value in self.metrics.items() if name != "accuracy"},
         }
 
 
@@ -49,8 +58,7 @@ def load_trained_model(path: Path, allow: str | None = None) -> TrainedModel:
         workload = saved_workload(saved, path, allow)
         module = workload.build_model()
         module.load_state_dict(saved["state_dict"])
-        norm = saved["normalization"]
-        trained = TrainedModel(module, float(norm["mean"]), float(norm["std"]), workload)
+        trained = TrainedModel(module, workload)
     except PipelineError:
         raise
     except Exception as exc:
@@ -61,50 +69,87 @@ def load_trained_model(path: Path, allow: str | None = None) -> TrainedModel:
     except Exception as exc:
         raise PipelineError(f"{path}: its model failed on its workload's example batch ({type(exc).__name__}: "
                             f"{exc}); train this mode again") from None
-    if len(shape) != 2 or shape[1] != NUM_CLASSES:
-        raise PipelineError(f"{path}: its model's outputs have the shape {shape} on its workload's example batch; "
-                            f"evaluate scores a classifier of {NUM_CLASSES} classes (accuracy, per class, the "
-                            "confusion matrix), and other workloads' test metrics are not there yet (#53)")
     return trained
+
+
+def is_classifier(outputs: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Scores per class for one class index per sample: MNIST's shape of things."""
+    return outputs.dim() == 2 and outputs.shape[1] >= 2 and targets.dim() == 1 and not targets.is_floating_point()
+
+
+PLOTTED = 2000  # samples of a workload that is not a classifier, in its outputs-against-targets plot
 
 
 @torch.no_grad()
 def evaluate_model(module: nn.Module, data, batch_size: int, device: torch.device | None = None,
                    workload: Workload | None = None) -> Evaluation:
     """`data`: a loop.DeviceSplit, or a batches.Loaded that reads the same batches from disk; `device`:
-    the model's (by default the in-memory data's); `workload`: whose evaluation loss (by default
-    MNIST's cross-entropy). The scores are a classifier's: accuracy, per class, the confusion matrix."""
+    the model's (by default the in-memory data's); `workload`: whose evaluation loss and metrics (by
+    default MNIST's). A classifier gets accuracy, per class, and the confusion matrix besides."""
     workload = workload or default_workload()
     module.eval()
-    predictions, labels_seen = [], []
+    predictions, labels_seen, plotted = [], [], []
     loss = torch.zeros((), dtype=torch.float64, device=device or data.index_device)
-    for images, labels in data.feed(torch.arange(len(data), device=data.index_device).split(batch_size)):
-        logits = module(images).float()
-        loss += workload.eval_loss(logits, labels)
-        predictions.append(logits.argmax(1))
-        labels_seen.append(labels)
-    predicted = torch.cat(predictions).cpu()
+    sums: dict[str, torch.Tensor] = {}
+    classifier, classes = None, 0
+    for inputs, targets in data.feed(torch.arange(len(data), device=data.index_device).split(batch_size)):
+        outputs = module(inputs).float()
+        loss += workload.eval_loss(outputs, targets)
+        for name, value in workload.metrics(outputs, targets).items():
+            sums[name] = sums.get(name, 0) + value.double()
+        if classifier is None:
+            classifier, classes = is_classifier(outputs, targets), outputs.shape[-1]
+        if classifier:
+            predictions.append(outputs.argmax(1))
+        elif sum(len(o) for o, _ in plotted) < PLOTTED:
+            plotted.append((outputs.cpu(), targets.cpu()))
+        labels_seen.append(targets)
     actual = torch.cat(labels_seen).cpu()
-    confusion = torch.bincount(actual * NUM_CLASSES + predicted, minlength=NUM_CLASSES**2).reshape(NUM_CLASSES, -1)
+    count = len(actual)
+    metrics = {name: value.item() / count for name, value in sorted(sums.items())}
+    if not classifier:
+        sample = tuple(torch.cat(part)[:PLOTTED] for part in zip(*plotted)) if plotted else None
+        return Evaluation(loss=loss.item() / count, count=count, metrics=metrics, sample=sample)
+    predicted = torch.cat(predictions).cpu()
+    confusion = torch.bincount(actual * classes + predicted, minlength=classes**2).reshape(classes, -1)
     per_class = (confusion.diag().double() / confusion.sum(1).clamp(min=1)).tolist()
     return Evaluation(
+        loss=loss.item() / count,
+        count=int(confusion.sum()),
+        metrics=metrics,
         accuracy=(predicted == actual).double().mean().item(),
-        loss=loss.item() / len(actual),
         per_class_accuracy=per_class,
         confusion=confusion,
         predictions=predicted,
     )
 
 
-def confusion_png(confusion: torch.Tensor, title: str, path: Path) -> None:
+def evaluation_png(result: Evaluation, title: str, path: Path) -> None:
+    """A classifier's confusion matrix; for another workload, its outputs against its targets."""
+    if result.confusion is not None:
+        confusion_png(result.confusion, title, path)
+        return
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(6, 5.5))
+    if result.sample is not None:
+        outputs, targets = result.sample
+        axes.scatter(targets.double().flatten().numpy(), outputs.double().flatten().numpy(), s=4, alpha=0.5)
+    axes.set(xlabel="target", ylabel="output", title=title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100, format="png")
+    plt.close(figure)
+
+
+def confusion_png(confusion: torch.Tensor, title: str, path: Path) -> None:
+    plt = pyplot()
+    classes = len(confusion)
+    figure, axes = plt.subplots(figsize=(6, 5.5))
     image = axes.imshow(confusion.numpy(), cmap="Blues")
-    for (actual, predicted), count in zip(torch.cartesian_prod(torch.arange(10), torch.arange(10)).tolist(),
+    for (actual, predicted), count in zip(torch.cartesian_prod(torch.arange(classes), torch.arange(classes)).tolist(),
                                           confusion.flatten().tolist()):
         color = "white" if count > confusion.max().item() / 2 else "black"
         axes.text(predicted, actual, str(count), ha="center", va="center", fontsize=7, color=color)
-    axes.set(xticks=range(10), yticks=range(10), xlabel="predicted", ylabel="actual", title=title)
+    axes.set(xticks=range(classes), yticks=range(classes), xlabel="predicted", ylabel="actual", title=title)
     figure.colorbar(image)
     figure.tight_layout()
     figure.savefig(path, dpi=100, format="png")

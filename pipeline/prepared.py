@@ -7,21 +7,38 @@ sample by sample from the memory-mapped file and normalises each batch there ali
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch.utils.data import Dataset
 
+from pipeline import mnist
 from pipeline.atomic import atomic_dir, read_json, write_failed
 from pipeline.config import DataConfig
 from pipeline.errors import DataError
-from pipeline.mnist import NUM_CLASSES, IdxFile, Split
+from pipeline.mnist import IMAGE_SIZE, NUM_CLASSES, IdxFile, Split
 
 SPLITS = ("train", "val", "test")
 STATS_FILE = "stats.json"
 PREPARED_FILES = (*(f"{name}.pt" for name in SPLITS), STATS_FILE)  # all that data/prepared holds
+
+
+@dataclass(frozen=True)
+class Samples:
+    """One split as a workload gives it. `dataset`: map-style, `dataset[i]` is (input, target) as
+    tensors; one with `tensors` (torch's TensorDataset) is taken as they are where the split goes
+    whole onto the device, any other is read once, sample by sample. `on_device`: what each batch's
+    inputs go through once on the device (MNIST: uint8 pixels to normalised floats, 4x less to
+    copy), the same function of each sample whatever the batch."""
+
+    dataset: Dataset
+    on_device: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +90,12 @@ class OnDisk(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         split = self._open()
         return split.images[index], split.labels[index]
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole split, read into memory: where it goes onto the device at once."""
+        split = load_split(self.path.parent, self.path.stem)
+        return split.images, split.labels
 
 
 def split_train_val(train: Split, config: DataConfig) -> tuple[Split, Split]:
@@ -139,15 +162,63 @@ def check_as_prepared(data_dir: Path, name: str, split: Split, stats: dict) -> N
 
 def save_prepared(out_dir: Path, splits: dict[str, Split], stats: dict) -> None:
     with atomic_dir(out_dir, PREPARED_FILES) as tmp:
-        for name, split in splits.items():
-            try:
-                torch.save({"images": split.images.contiguous(), "labels": split.labels}, tmp / f"{name}.pt")
-            except (RuntimeError, OSError) as exc:  # torch's writer says a full disk as "unexpected pos ..."
-                raise write_failed(out_dir / f"{name}.pt", f"torch.save failed: {_first_line(exc)}") from None
+        write_prepared(tmp, splits, stats)
+
+
+def write_prepared(folder: Path, splits: dict[str, Split], stats: dict) -> None:
+    """The splits and stats.json, written into `folder` (the prepare stage's fresh one: an error
+    names the file by the folder it is made for, pipeline.atomic.atomic_dir)."""
+    for name, split in splits.items():
         try:
-            (tmp / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
-        except OSError as exc:
-            raise write_failed(out_dir / STATS_FILE, exc.strerror or str(exc)) from None
+            torch.save({"images": split.images.contiguous(), "labels": split.labels}, folder / f"{name}.pt")
+        except (RuntimeError, OSError) as exc:  # torch's writer says a full disk as "unexpected pos ..."
+            raise write_failed(folder / f"{name}.pt", f"torch.save failed: {_first_line(exc)}") from None
+    try:
+        (folder / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
+    except OSError as exc:
+        raise write_failed(folder / STATS_FILE, exc.strerror or str(exc)) from None
+
+
+def source_folder(download_root: Path) -> Path:
+    """Where MNIST's IDX files are: MNIST_SOURCE, or torchvision's download into `download_root`."""
+    source = os.environ.get("MNIST_SOURCE")
+    if not source:
+        return mnist.download(download_root)
+    folder = Path(source)
+    if not folder.is_dir():
+        raise DataError(f"MNIST_SOURCE={source}: no such folder; point it at the folder holding the IDX files")
+    return folder
+
+
+def prepare_mnist(out: Path, raw: Path, config: DataConfig) -> str:
+    """MNIST's `prepare` (the Workload default): read and verify the IDX files, split val off train,
+    write the splits and stats.json into `out`."""
+    folder = source_folder(raw)
+    train, train_files = mnist.read_split(folder, "train", config.verify_checksums)
+    test, test_files = mnist.read_split(folder, "test", config.verify_checksums)
+    train, val = split_train_val(train, config)
+    splits = {"train": train, "val": val, "test": test}
+    write_prepared(out, splits, describe(splits, train_files + test_files, verified=config.verify_checksums))
+    checked = "checksums verified" if config.verify_checksums else "checksums NOT verified"
+    return f"{folder} ({checked})"
+
+
+def mnist_samples(data_dir: Path, name: str) -> Samples:
+    """MNIST's `split` (the Workload default): the prepared file, checked against stats.json (its
+    images 28x28, its count, class counts and bytes), read as its samples are asked for and
+    normalised on the device with the training split's mean and std."""
+    data_dir = Path(data_dir)
+    stats = load_stats(data_dir)
+    split = load_split(data_dir, name, mmap=True)  # readable, and what stats.json says it is
+    if tuple(split.images.shape[1:]) != IMAGE_SIZE or not len(split.labels) or \
+            len(split.labels) != stats.get("splits", {}).get(name, {}).get("count"):
+        raise DataError(
+            f"{data_dir / f'{name}.pt'}: holds {len(split.labels)} images of "
+            f"{'x'.join(map(str, split.images.shape[1:]))} pixels, not the 28x28 MNIST images {STATS_FILE} "
+            "describes; run `mnist-pipeline prepare` (or `dvc repro prepare`) again")
+    check_as_prepared(data_dir, name, split, stats)  # its labels and pixels, not only its shape
+    return Samples(OnDisk(data_dir, name), functools.partial(
+        normalised, mean=stats["train_pixel_mean"], std=stats["train_pixel_std"]))
 
 
 def _first_line(exc: BaseException) -> str:

@@ -112,8 +112,11 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
             "disturbed": spread.disturbances(r.mode, r.step_times, step, mean_steady, r.train.get("host_load")),
             "host_load": r.train.get("host_load"),
             "train_time_s": r.train["train_time_s"],
-            "test_accuracy": r.eval["accuracy"],
+            "test_accuracy": r.eval.get("accuracy"),  # a classifier's (MNIST's)
             "test_loss": r.eval.get("loss"),  # older results lack these
+            # Another workload's metrics, each a mean over the test set (results/eval/<mode>.json).
+            "test_scores": {name: value for name, value in r.eval.items()
+                            if name not in ("accuracy", "loss", "count") and isinstance(value, (int, float))},
             "val_accuracy": r.train.get("val_accuracy"),
             "val_loss": r.train.get("val_loss"),
         })
@@ -164,7 +167,7 @@ def mode_metrics(row: dict) -> dict:
     """metrics/<mode>.json: what `dvc metrics show` and `dvc exp show` compare, the test set's
     accuracy and loss first; numbers only (the mode's facts are in results/, its curves in plots/)."""
     step, speedup, efficiency = row["step"], row["speedup_interval"], row["efficiency_interval"]
-    values = {"accuracy": row["test_accuracy"], "loss": row["test_loss"],
+    values = {**row["test_scores"], "accuracy": row["test_accuracy"], "loss": row["test_loss"],
               # The throughput beside the speed-up: after the warm-up where every mode has one.
               "samples_per_s": row[row["throughput"]], "speedup": row["speedup"],
               "scaling_efficiency": row["scaling_efficiency"], "train_time_s": row["train_time_s"],
@@ -191,14 +194,26 @@ def interval_text(interval: spread.Interval | None, pattern: str, unit: str = ""
     return f"{value} ({format(interval.low * scale, pattern)}-{format(interval.high * scale, pattern)})"
 
 
+def quality(row: dict) -> tuple[str, str]:
+    """A mode's headline test score: a classifier's accuracy, else its workload's first metric, else
+    its loss, as (column title, value)."""
+    if row["test_accuracy"] is not None:
+        return "test accuracy", f"{row['test_accuracy']:.2%}"
+    if row["test_scores"]:
+        name = next(iter(row["test_scores"]))
+        return f"test {name}", f"{row['test_scores'][name]:.4g}"
+    return "test loss", _fmt(row["test_loss"], ".4f")
+
+
 def console_table(rows: list[dict]) -> str:
     """The comparison in a terminal's width: what `dvc repro` ends with."""
-    lines = [f"{'mode':<7} {'test accuracy':>13} {'samples/s':>10} {'step ms (95%)':>20} {'speed-up (95%)':>20} "
+    title = quality(rows[0])[0] if rows else "test accuracy"
+    lines = [f"{'mode':<7} {title:>13} {'samples/s':>10} {'step ms (95%)':>20} {'speed-up (95%)':>20} "
              f"{'training time':>14}"]
     for r in rows:
         speedup = r["speedup_interval"] or (spread.Interval(r["speedup"], r["speedup"], r["speedup"])
                                             if r["speedup"] is not None else None)
-        lines.append(f"{r['mode']:<7} {r['test_accuracy']:>13.2%} {r[r['throughput']]:>10,.0f} "
+        lines.append(f"{r['mode']:<7} {quality(r)[1]:>13} {r[r['throughput']]:>10,.0f} "
                      f"{interval_text(r['step'], '.2f', scale=1000):>20} {interval_text(speedup, '.2f', 'x'):>20} "
                      f"{r['train_time_s']:>12.1f} s")
     return "\n".join(lines)
@@ -214,7 +229,7 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
         "",
         "| mode | world size (nodes × processes) | batch per rank or GPU | device | epochs | samples/s "
         "| samples/s after warm-up | step (ms, 95% interval) | speed-up over single | scaling efficiency "
-        "| training time (s) | test accuracy |",
+        f"| training time (s) | {quality(rows[0])[0] if rows else 'test accuracy'} |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
@@ -228,7 +243,7 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
             f"{row['samples_per_s']:,.0f} | {_fmt(row['steady_samples_per_s'], ',.0f')} | "
             f"{interval_text(row['step'], '.2f', scale=1000)} | {interval_text(speedup, '.2f', 'x')} | "
             f"{interval_text(efficiency, '.0f', '%', scale=100)} | {row['train_time_s']:.1f} | "
-            f"{row['test_accuracy']:.2%} |"
+            f"{quality(row)[1]} |"
         )
     first = rows[0] if rows else None
     if first and first["speedup_from"] == "median_step":

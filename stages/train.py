@@ -29,11 +29,11 @@ from pipeline.config import MODES, Config, flatten, load_config, read_config
 from pipeline.determinism import use_deterministic_algorithms
 from pipeline.precision import float32_means_float32
 from pipeline.errors import PipelineError
-from pipeline.batches import prepared_split
+from pipeline.batches import split_of
 from pipeline.loop import TRACE_DIR, Training, steps_per_epoch
 from pipeline.loop import train as train_model
-from pipeline.mnist import IMAGE_SIZE
-from pipeline.prepared import STATS_FILE, OnDisk, check_as_prepared, load_split, load_stats, normalised
+from pipeline.prepared import load_stats
+from torch.utils.data import default_collate
 from pipeline.tracking.delivery import OUTBOX_DIR
 from pipeline.tracking.runs import fail_unfinished, missing_runs, start_mode_run, until_done
 from pipeline.tracking.store import check_worker_store, preflight, shown, tracking_uri
@@ -198,11 +198,12 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
         check_worker_store(rank)
 
     with parallel.process_group(rank, device) if mode == "ddp" else nullcontext():
+        workload = workloads.load_workload(config.workload)  # checked at the start (check_can_start)
         stats = load_stats(data_dir)
         channels_last = device.type == "cuda" and config.train.channels_last
         train_split, val_split = (
-            prepared_split(data_dir, name, stats["train_pixel_mean"], stats["train_pixel_std"], device,
-                           config.train.loader, config.train.loader_workers, channels_last) for name in ("train", "val"))
+            split_of(workload.split(data_dir, name), device, config.train.loader, config.train.loader_workers,
+                     channels_last) for name in ("train", "val"))
         log.info("%s: %d process(es) on %s, global batch %d", mode, rank.world_size,
                  parallel.device_name(device), config.train.batch_size)
         if config.train.loader == "dataloader":
@@ -248,21 +249,22 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
             if rank.is_main:
                 inputs_unchanged(mode, data_dir, required=False)
                 write_outputs(config, params_text, mode, rank, device, model, history, data_dir, stats,
-                              len(train_split), runs)
+                              len(train_split), runs, workload)
             trace = out / TRACE_DIR / f"trace-rank-{rank.rank}.json"  # opens in Perfetto (ui.perfetto.dev)
             runs.log_rank_artifacts([rank_log, *([trace] if trace.is_file() else [])])
 
 
 def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Rank, device: torch.device,
                   model: torch.nn.Module, history: list[dict], data_dir: Path, stats: dict, train_count: int,
-                  runs) -> None:
+                  runs, workload: workloads.Workload) -> None:
     out = model_dir(mode)
     curves = CURVES_DIR / f"{mode}.csv"
-    mean, std = stats["train_pixel_mean"], stats["train_pixel_std"]
     save_torch(out / MODEL_FILE, {
         "state_dict": model.state_dict(),
         "workload": workloads.recorded(config.workload),  # what builds the network these weights fit
-        "normalization": {"mean": mean, "std": std},
+        # MNIST's: what its inputs were normalised with (a reader of the file outside the pipeline).
+        **({"normalization": {"mean": stats["train_pixel_mean"], "std": stats["train_pixel_std"]}}
+           if "train_pixel_mean" in stats else {}),
         "config": flatten(config),
     })
     steps = steps_per_epoch(train_count, config.train.batch_size)
@@ -275,8 +277,7 @@ def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Ra
     run_files = out / RUN_FILES
     write_text(run_files / "params.yaml", params_text)  # as read at the start, not as the file is now
     write_text(run_files / curves.name, curves.read_text())
-    val = OnDisk(data_dir, "val")  # its first images as the model takes them, for the logged model's signature
-    example = normalised(torch.stack([val[i][0] for i in range(min(4, len(val)))]), mean, std)
+    example = example_inputs(workload.split(data_dir, "val"))
     # Every output is in place: said in the record, with the run the model goes to, so that what
     # comes next knows the training is done whatever happens to its runs' end (an outage keeps that
     # for send-runs, which then removes the record). A `dvc repro` before that goes on in the same
@@ -289,6 +290,12 @@ def write_outputs(config: Config, params_text: str, mode: str, rank: parallel.Ra
         runs.finish_parent(out / MODEL_FILE, example,
                            [out / CHECKPOINT_FILE, run_files / curves.name, run_files / "params.yaml"],
                            workload=config.workload.class_path)
+
+
+def example_inputs(samples: workloads.Samples, count: int = 4) -> torch.Tensor:
+    """The split's first inputs as the model takes them: the logged model's input example."""
+    inputs = default_collate([samples.dataset[i] for i in range(min(count, len(samples.dataset)))])[0]
+    return samples.on_device(inputs) if samples.on_device is not None else inputs
 
 
 def planned_world_size(config: Config, mode: str) -> int | None:
@@ -385,7 +392,7 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
     leave the last one's checkpoint, logs and runs as they were (pick_up changes them)."""
     check_output_folders(mode)
     # The workload imports, builds, and gives the right kinds of things on its example batch.
-    workloads.workload_of(config.workload)
+    workload = workloads.workload_of(config.workload)
     # A file saved since this command's imports: refused before pick_up clears the last training's files.
     record.check_code_as_imported()
     if config.tracking.enabled:
@@ -402,27 +409,35 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
             forkserver.check_socket_path()
         if config.tracking.enabled:  # a store on one node's disk cannot take ranks from several
             check_worker_store(parallel.Rank(world_size=workers * nodes, local_world_size=workers))
-    check_prepared(data_dir, config.train.batch_size)
+    check_prepared(data_dir, config.train.batch_size, workload, config.workload.class_path)
 
 
-def check_prepared(data_dir: Path, batch_size: int) -> None:
-    """The prepared data is there and is what the models take; a split too small for one batch
-    is allowed (quick runs) but said, with its numbers."""
-    stats = load_stats(data_dir)
+def check_prepared(data_dir: Path, batch_size: int, workload: workloads.Workload | None = None,
+                   class_path: str | None = None) -> None:
+    """The prepared data is there, is what the workload's `prepare` wrote (its `split` checks), and
+    its samples go through the workload's model; a split too small for one batch is allowed (quick
+    runs) but said, with its numbers."""
+    workload = workload or workloads.default_workload()
+    where = f"workload {class_path or workloads.WorkloadConfig().class_path}"
+    counts, model = {}, workload.build_model().eval()
     for name in ("train", "val"):
-        split = load_split(data_dir, name, mmap=True)  # readable, and what stats.json says it is
-        if tuple(split.images.shape[1:]) != IMAGE_SIZE or not len(split.labels) or \
-                len(split.labels) != stats.get("splits", {}).get(name, {}).get("count"):
-            raise PipelineError(
-                f"{data_dir / f'{name}.pt'}: holds {len(split.labels)} images of "
-                f"{'x'.join(map(str, split.images.shape[1:]))} pixels, not the 28x28 MNIST images {STATS_FILE} "
-                "describes; run `mnist-pipeline prepare` (or `dvc repro prepare`) again")
-        check_as_prepared(data_dir, name, split, stats)  # its labels and pixels, not only its shape
-    train_count, val_count = stats["splits"]["train"]["count"], stats["splits"]["val"]["count"]
-    if train_count < batch_size:
-        log.warning("the training split has %d images (%d more were taken for validation, data.val_size), fewer "
-                    "than one global batch (train.batch_size = %d): every epoch is a single step of %d images",
-                    train_count, val_count, batch_size, train_count)
+        samples = workload.split(data_dir, name)
+        counts[name] = len(samples.dataset)
+        if not counts[name]:
+            raise PipelineError(f"{data_dir}: the {name} split of {where} is empty; run `mnist-pipeline prepare` "
+                                "(or `dvc repro prepare`) again")
+        try:  # what example_batch() cannot show: the data and the model disagree (its shape, its kind)
+            inputs = example_inputs(samples, count=2)
+            with torch.no_grad():
+                model(inputs)
+        except Exception as exc:
+            raise PipelineError(f"{data_dir}: the model of {where} fails on the first samples of its {name} split "
+                                f"({type(exc).__name__}: {exc}); make prepare write what the model takes "
+                                "(then `dvc repro prepare`), or change the model") from None
+    if counts["train"] < batch_size:
+        log.warning("the training split has %d samples (validation %d), fewer than one global batch "
+                    "(train.batch_size = %d): every epoch is a single step of %d samples",
+                    counts["train"], counts["val"], batch_size, counts["train"])
 
 
 @click.command(short_help="Train one mode: single, dp or ddp.")

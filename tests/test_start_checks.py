@@ -200,8 +200,8 @@ def test_a_split_smaller_than_one_batch_is_trained_with_a_warning_naming_the_num
     save_prepared(tmp_path / "prepared", splits, describe(splits, files + test_files, verified=False))
     with caplog.at_level(logging.WARNING):
         check_prepared(tmp_path / "prepared", batch_size=128)
-    assert ("the training split has 30 images (10 more were taken for validation, data.val_size), fewer than one "
-            "global batch (train.batch_size = 128)") in caplog.text
+    assert ("the training split has 30 samples (validation 10), fewer than one global batch "
+            "(train.batch_size = 128)") in caplog.text
 
 
 def test_out_never_replaces_a_folder_the_pipeline_did_not_make(project, mnist_dir, tmp_path):

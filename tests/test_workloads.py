@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from torch import nn
 
 from pipeline import record
 from pipeline.checkpoint import settings_changed, trajectory
@@ -20,7 +21,7 @@ from pipeline.config import TrainConfig, WorkloadConfig, config_from_dict, flatt
 from pipeline.errors import ConfigError, PipelineError
 from pipeline.loop import add_scores, zero_scores
 from pipeline.tracking.delivery import op_checker
-from pipeline.workloads import check_workload, full_init_args, load_workload, saved_workload, workload_of
+from pipeline.workloads import Workload, check_workload, full_init_args, load_workload, saved_workload, workload_of
 from pipeline.workloads.mnist import Mnist
 from tests.conftest import SMALL, load_weights, make_project, prepare, project_env, relative_difference, run, train_cli
 from tests.ddp_harness import learnable_data, run_ranks, train_config, train_each
@@ -291,3 +292,155 @@ def test_a_teams_workload_outside_the_package_trains_in_every_mode_and_is_evalua
     assert "workload.class_path = 'workloads.teamwork.Mpl': workloads.teamwork has no Mpl" in refused.stderr
     assert "Traceback" not in refused.stderr
     assert kept() == before
+
+
+def table_csv(path: Path, rows: int = 600) -> Path:
+    """A table a team might have: y a smooth function of three columns, plus a little noise."""
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, 3, generator=generator, dtype=torch.float64)
+    y = torch.sin(x[:, 0]) + 0.5 * x[:, 1] * x[:, 2] + 0.05 * torch.randn(rows, generator=generator, dtype=torch.float64)
+    lines = ["id,x1,x2,x3,y"] + [f"{i},{a:.6f},{b:.6f},{c:.6f},{t:.6f}" for i, ((a, b, c), t) in
+                                 enumerate(zip(x.tolist(), y.tolist()))]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+TABLE = {"class_path": "workloads.table.Regression",
+         "init_args": {"source": "data/table.csv", "features": ["x1", "x2", "x3"], "target": "y", "hidden": 16}}
+
+
+def test_a_teams_own_data_is_prepared_trained_and_evaluated_by_the_stages(tmp_path):
+    """examples/workloads/table.py, copied into a project as its docs say: a regression on a CSV
+    file, its own prepare (the file checked, split, standardised) and split, MSE, and metrics that
+    are not accuracy. prepare, train (single and 2-rank ddp, which agree to rounding) and evaluate
+    run through the CLI; the gate takes one of its metrics. A table that is not what the params
+    say is refused in one line, and prepare leaves nothing behind."""
+    params = {**SMALL, "workload": TABLE, "data": {"seed": 3},
+              "train": {**SMALL["train"], "batch_size": 64, "epochs": 3, "lr": 0.01},
+              "evaluate": {"batch_size": 100, "min_test_accuracy": 0.9, "gate": "abs_error <= 0.6"}}
+    project = make_project(tmp_path / "proj", params)
+    (project / "workloads/table.py").write_text((Path(__file__).parents[1] / "examples/workloads/table.py").read_text())
+    table = table_csv(project / "data/table.csv")
+
+    # A column the params name that the file lacks: one line, and no data/prepared.
+    text = table.read_text()
+    table.write_text(text.replace("x3", "x4", 1))
+    refused = run(["mnist-pipeline", "prepare"], project, check=False)
+    assert refused.returncode == 1 and "data/table.csv: no column 'x3'" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and not (project / "data/prepared").exists()
+    table.write_text(text)
+
+    said = run(["mnist-pipeline", "prepare"], project).stdout
+    assert "prepared train 420, val 90, test 90 from data/table.csv (600 rows, 3 features)" in said, said
+    for mode in ("single", "ddp"):
+        run(["mnist-pipeline", "train", "--mode", mode], project)
+    single, ddp = load_weights(project, "single"), load_weights(project, "ddp")
+    assert relative_difference(single, ddp) < 1e-3
+    curves = (project / "plots/train/single.csv").read_text().splitlines()
+    first, last = (dict(zip(curves[0].split(","), line.split(","))) for line in (curves[1], curves[-1]))
+    assert float(last["val_squared_error"]) < float(first["val_squared_error"])  # it learns
+
+    both = ["--mode", "single", "--mode", "ddp"]
+    run(["mnist-pipeline", "evaluate", *both], project, **project_env(project))
+    scores = json.loads((project / "results/eval/ddp.json").read_text())
+    assert scores.keys() == {"abs_error", "squared_error", "loss", "count"} and scores["count"] == 90
+    assert scores["squared_error"] == pytest.approx(scores["loss"])  # MSE's loss is its squared error
+    assert (project / "plots/confusion/single.png").read_bytes()[:4] == b"\x89PNG"  # outputs against targets
+    # The gate on one of its metrics: a bound the model cannot meet fails the stage, naming it.
+    (project / "params.yaml").write_text((project / "params.yaml").read_text().replace(
+        "abs_error <= 0.6", "abs_error <= 0.001"))
+    failed = run(["mnist-pipeline", "evaluate", "--mode", "single"], project, check=False, **project_env(project))
+    assert failed.returncode == 1 and "fails evaluate.gate = 'abs_error <= 0.001'" in failed.stderr, failed.stderr
+    # A gate naming a score the workload does not give: refused before anything is written.
+    (project / "params.yaml").write_text((project / "params.yaml").read_text().replace(
+        "abs_error <= 0.001", "accuracy >= 0.5"))
+    before = (project / "results/eval/ddp.json").read_bytes()
+    wrong = run(["mnist-pipeline", "evaluate", *both], project, check=False, **project_env(project))
+    assert wrong.returncode == 1 and "scores abs_error, loss, squared_error on the test set, not accuracy" in wrong.stderr
+    assert (project / "results/eval/ddp.json").read_bytes() == before
+
+    # Data changed after prepare is found before anything trains on it.
+    blob = torch.load(project / "data/prepared/train.pt", weights_only=True)
+    blob["targets"][0] += 1
+    torch.save(blob, project / "data/prepared/train.pt")
+    changed = train_cli(project, "single", check=False)
+    assert changed.returncode != 0 and "train.pt: changed since `prepare` wrote it" in changed.stderr, changed.stderr
+
+
+@pytest.mark.fast
+def test_evaluate_scores_any_workload_and_a_classifier_of_any_number_of_classes(tmp_path):
+    from pipeline.evaluation import evaluate_model, evaluation_png
+    from pipeline.loop import DeviceSplit
+
+    class Squares(Workload):  # outputs against float targets: not a classifier
+        def build_model(self):
+            return nn.Linear(2, 1)
+
+        def loss(self, outputs, targets):
+            return F.mse_loss(outputs, targets, reduction="sum")
+
+        def metrics(self, outputs, targets):
+            return {"abs_error": (outputs - targets).abs().sum()}
+
+        def example_batch(self):
+            return torch.zeros(2, 2), torch.zeros(2, 1)
+
+    inputs = torch.arange(10.0).reshape(5, 2)
+    targets = inputs.sum(1, keepdim=True)
+    model = nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.fill_(0.5)  # off by 0.5 everywhere
+    result = evaluate_model(model, DeviceSplit(inputs, targets), batch_size=2, workload=Squares())
+    assert result.summary() == {"abs_error": 0.5, "loss": 0.25, "count": 5} and result.accuracy is None
+    evaluation_png(result, "outputs against targets", tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    # Three classes, MNIST's scores: the confusion matrix is 3x3, accuracy the share on its diagonal.
+    logits = torch.eye(3)[[0, 1, 2, 2]]
+    three = nn.Identity()
+    result = evaluate_model(three, DeviceSplit(logits, torch.tensor([0, 1, 2, 0])), batch_size=3,
+                            workload=Mnist(label_smoothing=0.0))
+    assert result.confusion.tolist() == [[1, 0, 1], [0, 1, 0], [0, 0, 1]] and result.accuracy == 0.75
+    assert result.summary()["per_class_accuracy"] == {"0": 0.5, "1": 1.0, "2": 1.0}
+
+
+@pytest.mark.fast
+def test_the_gate_is_a_score_a_comparison_and_a_number():
+    from pipeline.config import parse_gate
+
+    assert parse_gate("abs_error <= 0.5") == ("abs_error", "<=", 0.5)
+    assert parse_gate(" r2>=-1e-3 ") == ("r2", ">=", -0.001) and parse_gate("") is None
+    for bad in ("abs_error < 0.5", "0.5 >= abs_error", "abs error <= 1", "loss <= much"):
+        with pytest.raises(ConfigError, match=r"evaluate.gate = .* is not allowed; allowed: '' or '<metric> >= "):
+            config_from_dict({"evaluate": {"gate": bad}})
+
+
+@pytest.mark.fast
+def test_data_the_model_cannot_take_is_refused_before_training(tmp_path):
+    """What example_batch() cannot show: the prepared samples are not what the model takes."""
+    from torch.utils.data import TensorDataset
+
+    from pipeline.workloads import Samples
+    from stages.train import check_prepared
+
+    class Wide(Workload):
+        def build_model(self):
+            return nn.Linear(3, 1)
+
+        def loss(self, outputs, targets):
+            return F.mse_loss(outputs, targets, reduction="sum")
+
+        def metrics(self, outputs, targets):
+            return {}
+
+        def example_batch(self):
+            return torch.zeros(2, 3), torch.zeros(2, 1)
+
+        def split(self, data_dir, name):
+            return Samples(TensorDataset(torch.zeros(8, 4), torch.zeros(8, 1)))  # 4 columns, not 3
+
+    with pytest.raises(PipelineError, match=r"the model of workload workloads.wide.Wide fails on the first samples "
+                                            r"of its train split \(RuntimeError: .*\); make prepare write what the "
+                                            r"model takes"):
+        check_prepared(tmp_path, 4, Wide(), "workloads.wide.Wide")

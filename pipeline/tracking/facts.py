@@ -70,11 +70,20 @@ def dataset_inputs(data_dir: Path, splits: Iterable[str]) -> list:
     inputs = []
     for split in splits:
         path = Path(data_dir) / f"{split}.pt"
-        origin = "t10k-" if split == "test" else "train-"  # val is carved out of MNIST's training files
-        profile = {"images": stats["splits"][split]["count"], "class_counts": stats["splits"][split]["class_counts"],
-                   "mnist_files_md5": {name: f["md5"] for name, f in stats["sources"].items() if name.startswith(origin)},
-                   "checksums_verified": stats["checksums_verified"]}
-        dataset = Dataset(name=f"mnist-{split}", digest=_file_md5(path)[:10], source_type="local",
-                          source=json.dumps({"uri": str(path)}), profile=json.dumps(profile))
+        described = stats["splits"][split]
+        if "class_counts" in described:  # MNIST's
+            origin = "t10k-" if split == "test" else "train-"  # val is carved out of MNIST's training files
+            name = f"mnist-{split}"
+            profile = {"images": described["count"], "class_counts": described["class_counts"],
+                       "mnist_files_md5": {name: f["md5"] for name, f in stats["sources"].items()
+                                           if name.startswith(origin)},
+                       "checksums_verified": stats["checksums_verified"]}
+        else:  # another workload's: what its stats.json says of the split
+            name = split
+            profile = {key: value for key, value in described.items() if isinstance(value, (int, float, str, bool))}
+        # The split's file where it is one (MNIST's), else the prepared folder's stats.json, which describes it.
+        digest = _file_md5(path if path.is_file() else Path(data_dir) / "stats.json")[:10]
+        dataset = Dataset(name=name, digest=digest, source_type="local",
+                          source=json.dumps({"uri": str(path if path.is_file() else data_dir)}), profile=json.dumps(profile))
         inputs.append(DatasetInput(dataset, [InputTag("mlflow.data.context", split)]))
     return inputs

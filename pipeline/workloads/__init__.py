@@ -18,9 +18,16 @@ the pipeline what is particular to it:
 - `example_batch()`: a small (inputs, targets) batch shaped as the data's, what the pipeline tries
   the workload on before anything on disk changes (and reads its metrics' names from).
 
+And its data, MNIST's unless it gives its own:
+- `prepare(out, raw, data)`: reads and verifies the raw inputs (fetched into `raw` if need be) and
+  writes the train, val and test splits into `out`, with a `stats.json` that gives each split's
+  count; the `prepare` stage moves `out` into place whole once it returns, so a failure leaves
+  nothing half written;
+- `split(data_dir, name)`: one split of what `prepare` wrote, as `Samples`: a map-style Dataset of
+  (input, target), read whole onto the device (train.loader: memory) or by DataLoader workers
+  (train.loader: dataloader), and what each batch's inputs go through once on the device.
+
 The optimizer and its schedule are params (train.optimizer, train.schedule), not the workload's.
-The data is still the prepared files `prepare` writes (uint8 images and integer labels); a
-workload's own data is #53's next step.
 """
 
 from __future__ import annotations
@@ -35,8 +42,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipeline.config import WorkloadConfig
+from pipeline.config import DataConfig, WorkloadConfig
 from pipeline.errors import ConfigError
+from pipeline.prepared import Samples, mnist_samples, prepare_mnist
+
+__all__ = ["Samples", "Workload", "load_workload", "workload_of"]  # Samples: what `split` returns
 
 # Where a class path recorded in a model file may point without the loader's say-so: a file read from
 # an artifact store must not be able to import (and so run) whatever module it names.
@@ -48,7 +58,8 @@ PROJECT = "workloads."
 
 
 class Workload:
-    """The parts of a training that are the workload's. Subclass it and override each method."""
+    """The parts of a training that are the workload's. Subclass it and override each method;
+    `prepare` and `split` give MNIST's data unless overridden."""
 
     def build_model(self) -> nn.Module:
         raise NotImplementedError
@@ -64,6 +75,19 @@ class Workload:
 
     def example_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def prepare(self, out: Path, raw: Path, data: DataConfig) -> str:
+        """Write the train, val and test splits and stats.json into `out`, an empty folder; return
+        what they were made from, in a few words. MNIST's: its IDX files (MNIST_SOURCE, or a download
+        into `raw`), their MD5s checked, val split off train by `data`."""
+        from pipeline.prepared import prepare_mnist
+
+        return prepare_mnist(out, raw, data)
+
+    def split(self, data_dir: Path, name: str) -> Samples:
+        """Split `name` (train, val or test) of what `prepare` wrote into `data_dir`; a DataError
+        naming the file where it is missing or is not what `prepare` wrote."""
+        return mnist_samples(data_dir, name)
 
 
 PARTS = ("build_model", "loss", "metrics", "example_batch")  # eval_loss has a default

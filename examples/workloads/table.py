@@ -1,0 +1,137 @@
+"""A team's own workload, not image classification: regression on a table (a CSV file), with its
+own data. Copy this file into the project's `workloads/` folder and name it in params.yaml:
+
+    workload:
+      class_path: workloads.table.Regression
+      init_args: {source: data/table.csv, features: [x1, x2, x3], target: y}
+    evaluate:
+      gate: "abs_error <= 0.5"
+
+`prepare` reads the CSV, checks it (the columns named, numbers only, the SHA-256 if `sha256` pins
+it), splits its rows by a seeded permutation and standardises the features with the training rows'
+mean and std; `train`, `evaluate` and `compare` then run as they do for MNIST. docs/workloads.md
+walks through it.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from pipeline.config import DataConfig
+from pipeline.errors import DataError
+from pipeline.workloads import Samples, Workload
+
+SPLITS = ("train", "val", "test")
+
+
+class Regression(Workload):
+    """An MLP from the `features` columns to the `target` column, trained on the squared error.
+    `val_fraction` and `test_fraction` of the rows go to validation and test (data.seed draws which)."""
+
+    def __init__(self, source: str, features: list[str], target: str, hidden: int = 32,
+                 val_fraction: float = 0.15, test_fraction: float = 0.15, sha256: str = ""):
+        if not features or len(set(features)) != len(features) or target in features:
+            raise ValueError(f"features = {features!r}: name each input column once, and not the target")
+        if not (0 < val_fraction < 1 and 0 < test_fraction < 1 and val_fraction + test_fraction < 1):
+            raise ValueError("val_fraction and test_fraction: each above 0, together below 1")
+        self.source, self.features, self.target, self.hidden = Path(source), list(features), target, hidden
+        self.val_fraction, self.test_fraction, self.sha256 = val_fraction, test_fraction, sha256
+
+    # The model and its loss: per-sample terms, summed, so single, dp and ddp agree to rounding.
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(len(self.features), self.hidden), nn.Tanh(), nn.Linear(self.hidden, 1))
+
+    def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(outputs, targets, reduction="sum")
+
+    def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        error = outputs - targets
+        return {"abs_error": error.abs().sum(), "squared_error": error.pow(2).sum()}
+
+    def example_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.zeros(2, len(self.features)), torch.zeros(2, 1)
+
+    # Its data.
+    def prepare(self, out: Path, raw: Path, data: DataConfig) -> str:
+        text = self._read_source()
+        rows = self._rows(text)
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(data.seed))
+        val, test = round(len(rows) * self.val_fraction), round(len(rows) * self.test_fraction)
+        if min(val, test, len(rows) - val - test) < 1:
+            raise DataError(f"{self.source}: {len(rows)} rows leave a split empty; add rows or change "
+                            "val_fraction and test_fraction")
+        # Sorted: each split keeps the file's order, easy to trace back to it.
+        parts = {"val": order[:val].sort().values, "test": order[val:val + test].sort().values,
+                 "train": order[val + test:].sort().values}
+        table = torch.tensor(rows, dtype=torch.float64)
+        inputs, targets = table[:, :-1], table[:, -1:]
+        mean, std = inputs[parts["train"]].mean(0), inputs[parts["train"]].std(0).clamp(min=1e-12)
+        stats = {"source": {"path": str(self.source), "sha256": hashlib.sha256(text.encode()).hexdigest()},
+                 "features": self.features, "target": self.target,
+                 "feature_mean": mean.tolist(), "feature_std": std.tolist(), "splits": {}}
+        for name in SPLITS:
+            split = {"inputs": ((inputs[parts[name]] - mean) / std).float(), "targets": targets[parts[name]].float()}
+            torch.save(split, out / f"{name}.pt")
+            stats["splits"][name] = {"count": len(parts[name]), "sha256": _digest(split)}
+        (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
+        return f"{self.source} ({len(rows)} rows, {len(self.features)} features)"
+
+    def split(self, data_dir: Path, name: str) -> Samples:
+        path = Path(data_dir) / f"{name}.pt"
+        try:
+            stats = json.loads((Path(data_dir) / "stats.json").read_text())
+            split = torch.load(path, weights_only=True)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise DataError(f"{path}: unreadable ({exc}); run `mnist-pipeline prepare` (or `dvc repro prepare`)") from None
+        if stats.get("features") != self.features or stats.get("target") != self.target:
+            raise DataError(f"{data_dir}: prepared for features {stats.get('features')} and target "
+                            f"{stats.get('target')!r}, not these workload.init_args; run `dvc repro prepare`")
+        if _digest(split) != stats["splits"][name]["sha256"]:
+            raise DataError(f"{path}: changed since `prepare` wrote it; run `dvc repro --force prepare`")
+        return Samples(TensorDataset(split["inputs"], split["targets"]))
+
+    def _read_source(self) -> str:
+        try:
+            text = self.source.read_text()
+        except OSError as exc:
+            raise DataError(f"{self.source}: {exc.strerror or exc}; set workload.init_args.source to the CSV "
+                            "file, relative to the project") from None
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        if self.sha256 and digest != self.sha256:
+            raise DataError(f"{self.source}: its SHA-256 is {digest}, not the {self.sha256} that "
+                            "workload.init_args.sha256 pins; restore the file, or pin the new one")
+        return text
+
+    def _rows(self, text: str) -> list[list[float]]:
+        reader = csv.DictReader(text.splitlines())
+        missing = [c for c in (*self.features, self.target) if c not in (reader.fieldnames or [])]
+        if missing:
+            raise DataError(f"{self.source}: no column {missing[0]!r} (its columns: {reader.fieldnames}); check "
+                            "workload.init_args.features and target")
+        rows = []
+        for line, row in enumerate(reader, start=2):
+            try:
+                values = [float(row[c]) for c in (*self.features, self.target)]
+            except (TypeError, ValueError):
+                raise DataError(f"{self.source}, line {line}: a value that is not a number in "
+                                f"{[row.get(c) for c in (*self.features, self.target)]}") from None
+            if not all(math.isfinite(v) for v in values):
+                raise DataError(f"{self.source}, line {line}: a value that is not finite")
+            rows.append(values)
+        return rows
+
+
+def _digest(split: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for key in ("inputs", "targets"):
+        digest.update(split[key].contiguous().numpy().tobytes())
+    return digest.hexdigest()
