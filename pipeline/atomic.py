@@ -55,13 +55,15 @@ def _umask() -> int:
     return mask
 
 
-def write_failed(path: Path, reason: str) -> PipelineError:
-    """The error for an output that could not be written: which file, why, and what is left."""
+def write_failed(path: Path, reason: str, left: str | None = None) -> PipelineError:
+    """The error for an output that could not be written: which file, why, and what is left (by
+    default: judged by whether `path` is there)."""
     try:
         free = f"; {shutil.disk_usage(path.parent).free / 2**20:,.0f} MiB free there"
     except OSError:
         free = ""
-    left = f"the previous {path.name} is intact" if path.exists() else "nothing was left behind"
+    if left is None:
+        left = f"the previous {path.name} is intact" if path.exists() else "nothing was left behind"
     return PipelineError(f"{path}: could not be written ({reason}{free}); {left}. Free disk space or fix "
                          "the folder's permissions, then run again")
 

@@ -74,7 +74,8 @@ def load_trained_model(path: Path, allow: str | None = None) -> TrainedModel:
 
 def is_classifier(outputs: torch.Tensor, targets: torch.Tensor) -> bool:
     """Scores per class for one class index per sample: MNIST's shape of things."""
-    return outputs.dim() == 2 and outputs.shape[1] >= 2 and targets.dim() == 1 and not targets.is_floating_point()
+    return (outputs.dim() == 2 and outputs.shape[1] >= 2 and targets.dim() == 1 and not targets.is_floating_point()
+            and bool(((targets >= 0) & (targets < outputs.shape[1])).all()))
 
 
 PLOTTED = 2000  # samples of a workload that is not a classifier, in its outputs-against-targets plot
@@ -97,11 +98,12 @@ def evaluate_model(module: nn.Module, data, batch_size: int, device: torch.devic
         loss += workload.eval_loss(outputs, targets)
         for name, value in workload.metrics(outputs, targets).items():
             sums[name] = sums.get(name, 0) + value.double()
-        if classifier is None:
-            classifier, classes = is_classifier(outputs, targets), outputs.shape[-1]
+        # A classifier while every batch is one (a negative target, an ignored index, is not a class).
+        classifier = classifier is not False and is_classifier(outputs, targets)
+        classes = outputs.shape[-1]
         if classifier:
             predictions.append(outputs.argmax(1))
-        elif sum(len(o) for o, _ in plotted) < PLOTTED:
+        if sum(len(o) for o, _ in plotted) < PLOTTED:  # for the plot, should it not be a classifier
             plotted.append((outputs.cpu(), targets.cpu()))
         labels_seen.append(targets)
     actual = torch.cat(labels_seen).cpu()
@@ -131,7 +133,7 @@ def evaluation_png(result: Evaluation, title: str, path: Path) -> None:
         return
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(6, 5.5))
-    if result.sample is not None:
+    if result.sample is not None and result.sample[0].numel() == result.sample[1].numel():  # one output a target
         outputs, targets = result.sample
         axes.scatter(targets.double().flatten().numpy(), outputs.double().flatten().numpy(), s=4, alpha=0.5)
     axes.set(xlabel="target", ylabel="output", title=title)

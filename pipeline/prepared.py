@@ -166,17 +166,18 @@ def save_prepared(out_dir: Path, splits: dict[str, Split], stats: dict) -> None:
 
 
 def write_prepared(folder: Path, splits: dict[str, Split], stats: dict) -> None:
-    """The splits and stats.json, written into `folder` (the prepare stage's fresh one: an error
-    names the file by the folder it is made for, pipeline.atomic.atomic_dir)."""
+    """The splits and stats.json, written into `folder`, a fresh one that replaces the prepared
+    folder whole once complete (pipeline.atomic.atomic_dir): a failure leaves that as it was."""
+    left = "the prepared folder is as it was"
     for name, split in splits.items():
         try:
             torch.save({"images": split.images.contiguous(), "labels": split.labels}, folder / f"{name}.pt")
         except (RuntimeError, OSError) as exc:  # torch's writer says a full disk as "unexpected pos ..."
-            raise write_failed(folder / f"{name}.pt", f"torch.save failed: {_first_line(exc)}") from None
+            raise write_failed(folder / f"{name}.pt", f"torch.save failed: {_first_line(exc)}", left) from None
     try:
         (folder / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n")
     except OSError as exc:
-        raise write_failed(folder / STATS_FILE, exc.strerror or str(exc)) from None
+        raise write_failed(folder / STATS_FILE, exc.strerror or str(exc), left) from None
 
 
 def source_folder(download_root: Path) -> Path:

@@ -208,12 +208,13 @@ def quality(row: dict) -> tuple[str, str]:
 def console_table(rows: list[dict]) -> str:
     """The comparison in a terminal's width: what `dvc repro` ends with."""
     title = quality(rows[0])[0] if rows else "test accuracy"
-    lines = [f"{'mode':<7} {title:>13} {'samples/s':>10} {'step ms (95%)':>20} {'speed-up (95%)':>20} "
+    width = max(13, len(title))
+    lines = [f"{'mode':<7} {title:>{width}} {'samples/s':>10} {'step ms (95%)':>20} {'speed-up (95%)':>20} "
              f"{'training time':>14}"]
     for r in rows:
         speedup = r["speedup_interval"] or (spread.Interval(r["speedup"], r["speedup"], r["speedup"])
                                             if r["speedup"] is not None else None)
-        lines.append(f"{r['mode']:<7} {quality(r)[1]:>13} {r[r['throughput']]:>10,.0f} "
+        lines.append(f"{r['mode']:<7} {quality(r)[1]:>{width}} {r[r['throughput']]:>10,.0f} "
                      f"{interval_text(r['step'], '.2f', scale=1000):>20} {interval_text(speedup, '.2f', 'x'):>20} "
                      f"{r['train_time_s']:>12.1f} s")
     return "\n".join(lines)

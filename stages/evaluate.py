@@ -13,7 +13,8 @@ from pipeline.atomic import atomic_path, write_json
 from pipeline.checkpoint import MODEL_FILE
 from pipeline.config import MODES, Config, load_config, parse_gate
 from pipeline.errors import ConfigError, PipelineError
-from pipeline.evaluation import Evaluation, TrainedModel, evaluate_model, evaluation_png, load_trained_model
+from pipeline.evaluation import (Evaluation, TrainedModel, evaluate_model, evaluation_png, is_classifier,
+                                 load_trained_model)
 from pipeline.workloads import score_names
 from pipeline.batches import split_of
 from pipeline.parallel import Rank, pick_device
@@ -42,10 +43,10 @@ def evaluate_mode(config: Config, mode: str, trained: TrainedModel, data_dir: Pa
     result = evaluate_model(trained.module.to(device), images, config.evaluate.batch_size, device, trained.workload)
     images.close()
 
-    write_json(RESULTS_DIR / f"{mode}.json", result.summary())
     png = CONFUSION_DIR / f"{mode}.png"  # a classifier's confusion matrix, else outputs against targets
     with atomic_path(png) as tmp:
         evaluation_png(result, f"{mode}: {headline(result)}", tmp)
+    write_json(RESULTS_DIR / f"{mode}.json", result.summary())
 
     per_class = {f"test_accuracy_class_{c}": acc for c, acc in enumerate(result.per_class_accuracy or ())}
     metrics = {**{f"test_{name}": value for name, value in result.scores().items()}, **per_class}
@@ -71,6 +72,10 @@ def check_gate(config: Config, trained: dict[str, TrainedModel]) -> None:
         return
     for mode, model in trained.items():
         names = {"loss", *score_names(model.workload, model.module, torch.device("cpu"))}
+        inputs, targets = model.workload.example_batch()
+        with torch.no_grad():
+            if is_classifier(model.module.eval()(inputs), targets):
+                names.add("accuracy")
         if gate[0] not in names:
             raise ConfigError(f"params.yaml: evaluate.gate = {config.evaluate.gate!r}: {mode}'s workload scores "
                               f"{', '.join(sorted(names))} on the test set, not {gate[0]}; name one of them")

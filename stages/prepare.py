@@ -32,6 +32,8 @@ def prepare(params_path: str, out: str, download_root: str) -> None:
         except PipelineError as exc:  # named by the folder it was for, not the one it is made in
             raise type(exc)(str(exc).replace(str(tmp), str(out_dir))) from None
         except Exception as exc:
+            if type(workload).prepare is workloads.Workload.prepare:  # the package's own: a bug, with its traceback
+                raise
             raise DataError(f"{config.workload.class_path}.prepare() failed ({type(exc).__name__}: "
                             f"{str(exc).replace(str(tmp), str(out_dir))}); nothing was written to {out_dir}") from None
     click.echo(f"prepared {counts}{f' from {said}' if said else ''} -> {out}")

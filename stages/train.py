@@ -32,7 +32,7 @@ from pipeline.errors import PipelineError
 from pipeline.batches import split_of
 from pipeline.loop import TRACE_DIR, Training, steps_per_epoch
 from pipeline.loop import train as train_model
-from pipeline.prepared import load_stats
+from pipeline.prepared import STATS_FILE, load_stats
 from torch.utils.data import default_collate
 from pipeline.tracking.delivery import OUTBOX_DIR
 from pipeline.tracking.runs import fail_unfinished, missing_runs, start_mode_run, until_done
@@ -419,13 +419,15 @@ def check_prepared(data_dir: Path, batch_size: int, workload: workloads.Workload
     runs) but said, with its numbers."""
     workload = workload or workloads.default_workload()
     where = f"workload {class_path or workloads.WorkloadConfig().class_path}"
+    described = load_stats(data_dir).get("splits", {})
     counts, model = {}, workload.build_model().eval()
     for name in ("train", "val"):
         samples = workload.split(data_dir, name)
         counts[name] = len(samples.dataset)
-        if not counts[name]:
-            raise PipelineError(f"{data_dir}: the {name} split of {where} is empty; run `mnist-pipeline prepare` "
-                                "(or `dvc repro prepare`) again")
+        if not counts[name] or counts[name] != described.get(name, {}).get("count"):
+            raise PipelineError(f"{data_dir}: the {name} split of {where} has {counts[name]} samples, and "
+                                f"{STATS_FILE} says {described.get(name, {}).get('count')}; run `mnist-pipeline "
+                                "prepare` (or `dvc repro prepare`) again")
         try:  # what example_batch() cannot show: the data and the model disagree (its shape, its kind)
             inputs = example_inputs(samples, count=2)
             with torch.no_grad():

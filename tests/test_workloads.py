@@ -118,6 +118,11 @@ class MeanScore(Mlp):
         return {"answered": (outputs.argmax(1) >= 0).float().mean()}  # 1 on any batch, not the count
 
 
+class HalfData(Mlp):
+    def split(self, data_dir, name):  # its own split of MNIST's prepare: what would it read?
+        raise NotImplementedError
+
+
 class Plain:
     pass
 
@@ -155,6 +160,7 @@ def test_a_workload_that_cannot_work_is_refused_in_one_line_naming_what_is_wrong
     assert "is the class Plain, not a subclass of pipeline.workloads.Workload" in refusal("teamwork.Plain")
     assert "is a bool, not a subclass" in refusal("teamwork.raise_on_import")
     assert "does not define loss" in refusal("teamwork.NoLoss")
+    assert "defines split but not prepare: its data is both or neither" in refusal("teamwork.HalfData")
     assert "do not fit Mlp(hidden: int = 32)" in refusal("teamwork.Mlp", width=3)
     assert "build_model() returned a str, not a torch.nn.Module" in refusal("teamwork.NotAModule")
     assert "loss() returned a tensor of shape (2,), not a scalar tensor" in refusal("teamwork.PerSampleLoss")
@@ -333,20 +339,26 @@ def test_a_teams_own_data_is_prepared_trained_and_evaluated_by_the_stages(tmp_pa
 
     said = run(["mnist-pipeline", "prepare"], project).stdout
     assert "prepared train 420, val 90, test 90 from data/table.csv (600 rows, 3 features)" in said, said
-    for mode in ("single", "ddp"):
+    for mode in ("single", "dp", "ddp"):
         run(["mnist-pipeline", "train", "--mode", mode], project)
     single, ddp = load_weights(project, "single"), load_weights(project, "ddp")
-    assert relative_difference(single, ddp) < 1e-3
+    assert relative_difference(single, ddp) < 1e-3 and relative_difference(single, load_weights(project, "dp")) < 1e-3
     curves = (project / "plots/train/single.csv").read_text().splitlines()
     first, last = (dict(zip(curves[0].split(","), line.split(","))) for line in (curves[1], curves[-1]))
     assert float(last["val_squared_error"]) < float(first["val_squared_error"])  # it learns
 
-    both = ["--mode", "single", "--mode", "ddp"]
-    run(["mnist-pipeline", "evaluate", *both], project, **project_env(project))
+    run(["mnist-pipeline", "evaluate"], project, **project_env(project))
     scores = json.loads((project / "results/eval/ddp.json").read_text())
     assert scores.keys() == {"abs_error", "squared_error", "loss", "count"} and scores["count"] == 90
     assert scores["squared_error"] == pytest.approx(scores["loss"])  # MSE's loss is its squared error
     assert (project / "plots/confusion/single.png").read_bytes()[:4] == b"\x89PNG"  # outputs against targets
+    # compare: its first metric where MNIST has accuracy, and every score in metrics/ for DVC.
+    compared = run(["mnist-pipeline", "compare"], project, **project_env(project)).stdout
+    assert "test abs_error" in compared and f"{scores['abs_error']:.4g}" in compared, compared
+    metrics = json.loads((project / "metrics/ddp.json").read_text())
+    assert metrics["abs_error"] == round(scores["abs_error"], 6) and "accuracy" not in metrics
+    assert "| test abs_error |" in (project / "reports/comparison.md").read_text()
+    both = ["--mode", "single", "--mode", "ddp"]
     # The gate on one of its metrics: a bound the model cannot meet fails the stage, naming it.
     (project / "params.yaml").write_text((project / "params.yaml").read_text().replace(
         "abs_error <= 0.6", "abs_error <= 0.001"))
@@ -440,6 +452,7 @@ def test_data_the_model_cannot_take_is_refused_before_training(tmp_path):
         def split(self, data_dir, name):
             return Samples(TensorDataset(torch.zeros(8, 4), torch.zeros(8, 1)))  # 4 columns, not 3
 
+    (tmp_path / "stats.json").write_text(json.dumps({"splits": {"train": {"count": 8}, "val": {"count": 8}}}))
     with pytest.raises(PipelineError, match=r"the model of workload workloads.wide.Wide fails on the first samples "
                                             r"of its train split \(RuntimeError: .*\); make prepare write what the "
                                             r"model takes"):

@@ -5,7 +5,7 @@ a `pipeline.workloads.Workload` subclass `Mlp`, trains when params.yaml names it
       class_path: workloads.teamwork.Mlp
       init_args: {hidden: 64}
 
-This folder is a DVC dependency of the stages that import workloads (commcheck, train, evaluate,
-compare): an edit here reruns them, and not prepare. Every run records its files with the pipeline's code
+This folder is a DVC dependency of the stages that import workloads (prepare, commcheck, train,
+evaluate, compare): an edit here reruns them. Every run records its files with the pipeline's code
 (the `code_sha256` tag), so `mnist-pipeline reproduce` re-makes them too.
 """

@@ -62,11 +62,11 @@ class Regression(Workload):
 
     # Its data.
     def prepare(self, out: Path, raw: Path, data: DataConfig) -> str:
-        text = self._read_source()
+        text, digest = self._read_source()
         rows = self._rows(text)
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(data.seed))
         val, test = round(len(rows) * self.val_fraction), round(len(rows) * self.test_fraction)
-        if min(val, test, len(rows) - val - test) < 1:
+        if min(val, test) < 1 or len(rows) - val - test < 2:  # two training rows at least: their std
             raise DataError(f"{self.source}: {len(rows)} rows leave a split empty; add rows or change "
                             "val_fraction and test_fraction")
         # Sorted: each split keeps the file's order, easy to trace back to it.
@@ -75,7 +75,7 @@ class Regression(Workload):
         table = torch.tensor(rows, dtype=torch.float64)
         inputs, targets = table[:, :-1], table[:, -1:]
         mean, std = inputs[parts["train"]].mean(0), inputs[parts["train"]].std(0).clamp(min=1e-12)
-        stats = {"source": {"path": str(self.source), "sha256": hashlib.sha256(text.encode()).hexdigest()},
+        stats = {"source": {"path": str(self.source), "sha256": digest},
                  "features": self.features, "target": self.target,
                  "feature_mean": mean.tolist(), "feature_std": std.tolist(), "splits": {}}
         for name in SPLITS:
@@ -86,30 +86,38 @@ class Regression(Workload):
         return f"{self.source} ({len(rows)} rows, {len(self.features)} features)"
 
     def split(self, data_dir: Path, name: str) -> Samples:
-        path = Path(data_dir) / f"{name}.pt"
+        path, described = Path(data_dir) / f"{name}.pt", Path(data_dir) / "stats.json"
+        for file in (described, path):
+            if not file.is_file():
+                raise DataError(f"{file}: missing; run `mnist-pipeline prepare` (or `dvc repro prepare`)")
         try:
-            stats = json.loads((Path(data_dir) / "stats.json").read_text())
+            stats = json.loads(described.read_text())
+            expected = stats["splits"][name]["sha256"]
             split = torch.load(path, weights_only=True)
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise DataError(f"{path}: unreadable ({exc}); run `mnist-pipeline prepare` (or `dvc repro prepare`)") from None
+        except (OSError, ValueError, RuntimeError, KeyError, TypeError) as exc:
+            raise DataError(f"{path} or {described}: unreadable ({type(exc).__name__}: {exc}); run `mnist-pipeline "
+                            "prepare` (or `dvc repro prepare`) again") from None
         if stats.get("features") != self.features or stats.get("target") != self.target:
             raise DataError(f"{data_dir}: prepared for features {stats.get('features')} and target "
                             f"{stats.get('target')!r}, not these workload.init_args; run `dvc repro prepare`")
-        if _digest(split) != stats["splits"][name]["sha256"]:
+        if _digest(split) != expected:
             raise DataError(f"{path}: changed since `prepare` wrote it; run `dvc repro --force prepare`")
         return Samples(TensorDataset(split["inputs"], split["targets"]))
 
-    def _read_source(self) -> str:
+    def _read_source(self) -> tuple[str, str]:
         try:
-            text = self.source.read_text()
+            raw = self.source.read_bytes()
+            text = raw.decode("utf-8-sig")
         except OSError as exc:
             raise DataError(f"{self.source}: {exc.strerror or exc}; set workload.init_args.source to the CSV "
                             "file, relative to the project") from None
-        digest = hashlib.sha256(text.encode()).hexdigest()
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{self.source}: not UTF-8 text ({exc}); save it as UTF-8") from None
+        digest = hashlib.sha256(raw).hexdigest()  # the file's, as sha256sum gives it
         if self.sha256 and digest != self.sha256:
             raise DataError(f"{self.source}: its SHA-256 is {digest}, not the {self.sha256} that "
                             "workload.init_args.sha256 pins; restore the file, or pin the new one")
-        return text
+        return text, digest
 
     def _rows(self, text: str) -> list[list[float]]:
         reader = csv.DictReader(text.splitlines())

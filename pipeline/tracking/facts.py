@@ -71,7 +71,7 @@ def dataset_inputs(data_dir: Path, splits: Iterable[str]) -> list:
     for split in splits:
         path = Path(data_dir) / f"{split}.pt"
         described = stats["splits"][split]
-        if "class_counts" in described:  # MNIST's
+        if "sources" in stats and "class_counts" in described:  # MNIST's
             origin = "t10k-" if split == "test" else "train-"  # val is carved out of MNIST's training files
             name = f"mnist-{split}"
             profile = {"images": described["count"], "class_counts": described["class_counts"],

@@ -91,6 +91,7 @@ class Workload:
 
 
 PARTS = ("build_model", "loss", "metrics", "example_batch")  # eval_loss has a default
+DATA_PARTS = ("prepare", "split")  # MNIST's unless both are the workload's own
 # Names the loop's own numbers take (val_loss, the count it divides by, train_time_s,
 # train_loss_window): a metric of one of these names would be mixed up with them.
 RESERVED = ("loss", "count", "time_s", "loss_window")
@@ -108,6 +109,10 @@ def load_workload(config: WorkloadConfig, source: str = "params.yaml") -> Worklo
     if missing:
         raise ConfigError(f"{where} does not define {', '.join(missing)}; a workload gives each of "
                           f"{', '.join(PARTS)} (pipeline/workloads/__init__.py says what each returns)")
+    own = [part for part in DATA_PARTS if getattr(cls, part) is not getattr(Workload, part)]
+    if len(own) == 1:
+        raise ConfigError(f"{where} defines {own[0]} but not {({*DATA_PARTS} - {*own}).pop()}: its data is both or "
+                          "neither (MNIST's), as split reads what prepare writes")
     _bound(cls, config, source)
     try:
         return cls(**config.init_args)
