@@ -65,7 +65,7 @@ def load_trained_model(path: Path, allow: str | None = None) -> TrainedModel:
         raise PipelineError(f"{path}: not a usable model file ({exc}); train this mode again") from None
     try:
         with torch.no_grad():
-            shape = tuple(module.eval()(workload.example_batch()[0]).shape)
+            module.eval()(workload.example_batch()[0])
     except Exception as exc:
         raise PipelineError(f"{path}: its model failed on its workload's example batch ({type(exc).__name__}: "
                             f"{exc}); train this mode again") from None

@@ -18,7 +18,7 @@ from pipeline import record
 from pipeline import reproduce as remake
 from pipeline.tracking.store import sqlite_uri
 from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, build_stand_in_driver, commit_notes, edit_notes, free_port,
-                            make_project, prepare, project_env, run, subprocess_env, train_cli, write_tiny_mnist)
+                            make_project, prepare, project_env, run, scaled, subprocess_env, train_cli, write_tiny_mnist)
 
 def gpus_here() -> int:
     import torch
