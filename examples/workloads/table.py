@@ -7,16 +7,24 @@ own data. Copy this file into the project's `workloads/` folder and name it in p
     evaluate:
       gate: "abs_error <= 0.5"
 
+and, in dvc.yaml, give the prepare stage the table and these init_args, so that an edited table is
+prepared again (docs/workloads.md, "Your own data"):
+
+      prepare:
+        deps: [<the deps already listed>, data/table.csv]
+        params: [data, workload.class_path, workload.init_args]
+
 `prepare` reads the CSV, checks it (the columns named, numbers only, the SHA-256 if `sha256` pins
 it), splits its rows by a seeded permutation and standardises the features with the training rows'
-mean and std; `train`, `evaluate` and `compare` then run as they do for MNIST. docs/workloads.md
-walks through it.
+mean and std (kept in stats.json: the model takes standardised inputs); `train`, `evaluate` and
+`compare` then run as they do for MNIST.
 """
 
 from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import math
 from pathlib import Path
@@ -51,6 +59,8 @@ class Regression(Workload):
         return nn.Sequential(nn.Linear(len(self.features), self.hidden), nn.Tanh(), nn.Linear(self.hidden, 1))
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if outputs.shape != targets.shape:  # (N, 1) against (N,) would broadcast to (N, N), silently
+            raise ValueError(f"outputs {tuple(outputs.shape)} and targets {tuple(targets.shape)} differ in shape")
         return F.mse_loss(outputs, targets, reduction="sum")
 
     def metrics(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -58,7 +68,8 @@ class Regression(Workload):
         return {"abs_error": error.abs().sum(), "squared_error": error.pow(2).sum()}
 
     def example_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.zeros(2, len(self.features)), torch.zeros(2, 1)
+        # Targets away from any output: every score is non-zero, so the check can tell a sum from a mean.
+        return torch.zeros(2, len(self.features)), torch.tensor([[3.0], [-2.0]])
 
     # Its data.
     def prepare(self, out: Path, raw: Path, data: DataConfig) -> str:
@@ -74,7 +85,8 @@ class Regression(Workload):
                  "train": order[val + test:].sort().values}
         table = torch.tensor(rows, dtype=torch.float64)
         inputs, targets = table[:, :-1], table[:, -1:]
-        mean, std = inputs[parts["train"]].mean(0), inputs[parts["train"]].std(0).clamp(min=1e-12)
+        mean, std = inputs[parts["train"]].mean(0), inputs[parts["train"]].std(0)
+        std = torch.where(std > 0, std, torch.ones_like(std))  # a column constant in training: left as it is
         stats = {"source": {"path": str(self.source), "sha256": digest},
                  "features": self.features, "target": self.target,
                  "feature_mean": mean.tolist(), "feature_std": std.tolist(), "splits": {}}
@@ -120,7 +132,7 @@ class Regression(Workload):
         return text, digest
 
     def _rows(self, text: str) -> list[list[float]]:
-        reader = csv.DictReader(text.splitlines())
+        reader = csv.DictReader(io.StringIO(text, newline=""))
         missing = [c for c in (*self.features, self.target) if c not in (reader.fieldnames or [])]
         if missing:
             raise DataError(f"{self.source}: no column {missing[0]!r} (its columns: {reader.fieldnames}); check "
@@ -141,5 +153,7 @@ class Regression(Workload):
 def _digest(split: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for key in ("inputs", "targets"):
-        digest.update(split[key].contiguous().numpy().tobytes())
+        tensor = split[key]
+        digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+        digest.update(tensor.contiguous().numpy().tobytes())
     return digest.hexdigest()
