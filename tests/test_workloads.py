@@ -108,6 +108,11 @@ class Counted(Mlp):
         return {"count": torch.tensor(float(len(targets)))}
 
 
+class Fast(Mlp):
+    def metrics(self, outputs, targets):
+        return {"speedup": (outputs.argmax(1) == targets).sum()}
+
+
 class PresentOnly(Mlp):
     def metrics(self, outputs, targets):  # a score per class seen: other names on other batches
         return {f"class_{int(c)}": (outputs.argmax(1) == c).sum() for c in targets.unique()}
@@ -170,6 +175,7 @@ def test_a_workload_that_cannot_work_is_refused_in_one_line_naming_what_is_wrong
     assert "return the sum over the samples (reduction=\"sum\"), not their mean" in refusal("teamwork.MeanLoss")
     assert "loss() has no gradient to the model's weights" in refusal("teamwork.Detached")
     assert "metrics() named a score 'count'" in refusal("teamwork.Counted")
+    assert "metrics() named a score 'speedup'" in refusal("teamwork.Fast")  # compare's, in metrics/<mode>.json
     assert "name the same scores for every batch" in refusal("teamwork.PresentOnly")
     assert "metrics()['answered'] gives 1 on the example batch and 1 on it twice" in refusal("teamwork.MeanScore")
     assert "Mnist refused them (ValueError: model = 'resnet'" in refusal("pipeline.workloads.mnist.Mnist",

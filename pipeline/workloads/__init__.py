@@ -94,7 +94,9 @@ PARTS = ("build_model", "loss", "metrics", "example_batch")  # eval_loss has a d
 DATA_PARTS = ("prepare", "split")  # MNIST's unless both are the workload's own
 # Names the loop's own numbers take (val_loss, the count it divides by, train_time_s,
 # train_loss_window): a metric of one of these names would be mixed up with them.
-RESERVED = ("loss", "count", "time_s", "loss_window")
+RESERVED = ("loss", "count", "time_s", "loss_window",
+            # and compare's own numbers beside the test scores in metrics/<mode>.json (pipeline.report)
+            "samples_per_s", "speedup", "scaling_efficiency", "step_ms", "train_time_s", "timing_warnings")
 
 
 def load_workload(config: WorkloadConfig, source: str = "params.yaml") -> Workload:
