@@ -44,7 +44,9 @@ def in_the_way(folder: str | Path) -> None:
     for path in (folder, *folder.parents):
         if path.is_dir():
             return
-        if path.exists() or path.is_symlink():
+        # Looked at again: another process (a DDP rank making its log folder) may have made the
+        # folder since the first look.
+        if (path.exists() or path.is_symlink()) and not path.is_dir():
             raise PipelineError(f"{folder}: a file is in the way ({path} is not a folder); move it away, then run "
                                 "again")
 

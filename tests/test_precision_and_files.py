@@ -3,6 +3,7 @@ replica threads, and saved files that load anywhere."""
 
 import threading
 
+import pytest
 import torch
 from torch import nn
 
@@ -115,3 +116,32 @@ def test_a_cgroup_cpu_quota_caps_the_cpus(tmp_path):
     cpu_max.write_text("max 100000\n")
     assert cgroup_cpu_limit(cpu_max) is None
     assert cgroup_cpu_limit(tmp_path / "absent") is None
+
+
+@pytest.mark.fast
+def test_a_folder_made_by_another_process_between_two_looks_is_not_a_file_in_the_way(tmp_path, monkeypatch):
+    """DDP's rank 0 checks models/ddp/logs while rank 1 makes it: a folder that appears between
+    in_the_way's two looks is a folder, not "a file in the way" (a full run failed on that)."""
+    from pathlib import Path
+
+    from pipeline.atomic import in_the_way
+    from pipeline.errors import PipelineError
+
+    logs = tmp_path / "models/ddp/logs"
+    real_is_dir, looks = Path.is_dir, []
+
+    def made_meanwhile(path):  # the first look at logs comes before the other process makes it
+        if path == logs and not looks:
+            looks.append(path)
+            logs.mkdir(parents=True)
+            return False
+        return real_is_dir(path)
+
+    monkeypatch.setattr(Path, "is_dir", made_meanwhile)
+    in_the_way(logs)
+    assert looks == [logs]
+    monkeypatch.undo()
+    (tmp_path / "models/single").mkdir(parents=True)
+    (tmp_path / "models/single/logs").write_text("a file")
+    with pytest.raises(PipelineError, match=r"models/single/logs: a file is in the way"):
+        in_the_way(tmp_path / "models/single/logs")
