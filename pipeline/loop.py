@@ -90,11 +90,21 @@ Data = Any
 
 
 def to_device(split: Split, mean: float, std: float, device: torch.device, channels_last: bool = False) -> DeviceSplit:
-    """Move uint8 images once, then normalise on the device (4x less to copy than floats)."""
-    images = normalised(split.images.to(device, non_blocking=True), mean, std)
-    if channels_last:
-        images = images.contiguous(memory_format=torch.channels_last)
-    return DeviceSplit(images, split.labels.to(device, non_blocking=True))
+    """MNIST's uint8 images moved once, then normalised on the device (4x less to copy than floats)."""
+    return whole_on_device(split.images, split.labels, device, lambda images: normalised(images, mean, std),
+                           channels_last)
+
+
+def whole_on_device(inputs: torch.Tensor, targets: torch.Tensor, device: torch.device,
+                    on_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                    channels_last: bool = False) -> DeviceSplit:
+    """A split moved whole as it is stored, then `on_device` applied to its inputs there."""
+    inputs = inputs.to(device, non_blocking=True)
+    if on_device is not None:
+        inputs = on_device(inputs)
+    if channels_last and inputs.dim() == 4:
+        inputs = inputs.contiguous(memory_format=torch.channels_last)
+    return DeviceSplit(inputs, targets.to(device, non_blocking=True))
 
 
 def epoch_order(n: int, epoch: int, seed: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ from pathlib import Path
 import click
 
 from pipeline import workloads
-from pipeline.atomic import atomic_dir, check_replaceable
+from pipeline.atomic import atomic_dir
 from pipeline.config import load_config
 from pipeline.errors import DataError, PipelineError
 from pipeline.prepared import PREPARED_FILES, STATS_FILE, SPLITS, load_stats
@@ -24,8 +24,7 @@ def prepare(params_path: str, out: str, download_root: str) -> None:
     config = load_config(params_path)
     workload = workloads.workload_of(config.workload)  # refused here, before anything is written
     out_dir = Path(out)
-    check_replaceable(out_dir, PREPARED_FILES)  # before a download, not after
-    with atomic_dir(out_dir, PREPARED_FILES) as tmp:
+    with atomic_dir(out_dir, PREPARED_FILES) as tmp:  # refuses a folder it did not make, before any download
         try:
             said = workload.prepare(tmp, Path(download_root), config.data)
             counts = described_counts(tmp, out_dir, config.workload.class_path)

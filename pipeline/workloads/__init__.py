@@ -80,8 +80,6 @@ class Workload:
         """Write the train, val and test splits and stats.json into `out`, an empty folder; return
         what they were made from, in a few words. MNIST's: its IDX files (MNIST_SOURCE, or a download
         into `raw`), their MD5s checked, val split off train by `data`."""
-        from pipeline.prepared import prepare_mnist
-
         return prepare_mnist(out, raw, data)
 
     def split(self, data_dir: Path, name: str) -> Samples:
