@@ -255,12 +255,15 @@ def test_a_store_on_a_nodes_disk_is_refused_before_training(hosts, small_project
              for host, folder in zip(hosts, dirs)]
     for proc in procs:
         proc.wait(timeout=TWO_NODE_TIMEOUT_S)
+    refusal = "the ranks run on 2 nodes, but the tracking store is sqlite:///"
     for host, proc, folder in zip(hosts, procs, dirs):
         out = (tmp_path / f"{host.name}.log").read_text()
-        assert proc.returncode != 0
-        assert "the ranks run on 2 nodes, but the tracking store is sqlite:///" in out, out[-3000:]
-        assert "MLFLOW_TRACKING_URI" in out and "epoch 1/2" not in out
+        assert proc.returncode != 0 and "epoch 1/2" not in out, out[-3000:]
         assert not (folder / "mlflow.db").exists()
+        if host is hosts[0]:  # the rendezvous host's agent outlives the others: its worker always says why
+            assert refusal in out and "MLFLOW_TRACKING_URI" in out, out[-3000:]
+        else:  # its worker says why, unless the host's agent left first and took the store down with it
+            assert refusal in out or "The connection to the C10d store has failed" in out, out[-3000:]
 
 
 def test_the_kubeflow_trainjob_command_under_the_environment_trainer_injects(hosts, tracking_server,
