@@ -8,11 +8,16 @@ already on the device; `Loaded` answers through a DataLoader whose batch sampler
 lists, so its workers read exactly the samples the in-memory path gathers, in the same order, and
 the modes' weights stay what they are, bit for bit. DistributedSampler is not used: it deals whole
 per-rank batches, and cannot deal a global batch that the world size does not divide (loop.py).
+
+Augmentation (a workload's `Samples.augment`) happens here, in the workers: each request names a
+sample and the epoch, and the sample's draws are seeded by (train.seed, epoch, index), so which
+worker, rank or mode reads it changes nothing, and a resumed epoch draws what the lost one drew.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import multiprocessing
 import signal
 import threading
@@ -24,6 +29,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from pipeline.errors import ConfigError
 from pipeline.loop import DeviceSplit, whole_on_device
 from pipeline.prepared import OnDisk, normalised
 from pipeline.workloads import Samples
@@ -95,6 +101,34 @@ def held():
             signal.raise_signal(notice)
 
 
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed of one sample's augmentation in one epoch: a function of the three alone, so any
+    worker, rank or mode that reads the sample draws the same (63 bits, as manual_seed takes)."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+class _Augmented(Dataset):
+    """A dataset whose samples asked for as (index, epoch) are augmented, under torch's generator
+    seeded for that sample and epoch, then put back as it was (the rank's dropout draws, where the
+    loader reads in this process, are untouched); an index alone gives the sample as it is."""
+
+    def __init__(self, dataset: Dataset, augment: Callable[[torch.Tensor], torch.Tensor], seed: int):
+        self.dataset, self.augment, self.seed = dataset, augment, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        if not isinstance(key, tuple):
+            return self.dataset[key]
+        index, epoch = key
+        inputs, target = self.dataset[index]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(sample_seed(self.seed, epoch, index))
+            return self.augment(inputs), target
+
+
 def _shut_down(loader: DataLoader) -> None:
     """Persistent workers outlive each epoch's iteration; ignoring SIGTERM, they would also outlive
     multiprocessing's terminate() at exit, which then waits on them forever."""
@@ -112,16 +146,21 @@ def _shut_down(loader: DataLoader) -> None:
 class Loaded:
     """A map-style Dataset of (input, target) samples, read by `workers` processes as the steps need
     them (0: in this process), each batch moved to `device` (pinned first on GPUs, so the copy is
-    asynchronous), then `on_device` applied to its inputs there. The workers persist from epoch to
-    epoch, and end with `close()` or at exit."""
+    asynchronous), then `on_device` applied to its inputs there. `augment`: each sample's input, as
+    a training epoch reads it, goes through it under torch's generator seeded by (`seed`, the epoch,
+    the sample's index); the request carries the epoch to the worker, so persistent workers augment
+    each epoch anew. The workers persist from epoch to epoch, and end with `close()` or at exit."""
 
     def __init__(self, dataset: Dataset, device: torch.device, workers: int, channels_last: bool = False,
-                 on_device: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 on_device: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 augment: Callable[[torch.Tensor], torch.Tensor] | None = None, seed: int = 0):
         self.dataset, self.device, self.channels_last, self.on_device = dataset, device, channels_last, on_device
+        self.augmented = augment is not None
         sample = default_collate([dataset[0]])
         self._requests = _Requests()
         self._loader = DataLoader(
-            dataset, batch_sampler=self._requests, num_workers=workers,
+            _Augmented(dataset, augment, seed) if augment else dataset, batch_sampler=self._requests,
+            num_workers=workers,
             collate_fn=_Collate(tuple(tensor[:0] for tensor in sample)),
             pin_memory=device.type == "cuda", persistent_workers=workers > 0,
             # Forked from the rank itself: a rank forked from a fork server would otherwise start
@@ -145,8 +184,14 @@ class Loaded:
         """The first sample's input, as a batch of one on the device."""
         return self._moved(*default_collate([self.dataset[0]]))[0]
 
-    def feed(self, parts: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        self._requests.lists = (part.tolist() for part in parts)
+    def feed(self, parts: Iterable[torch.Tensor],
+             epoch: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(inputs, targets) of each list of indices in turn; `epoch`: the training epoch they are
+        for, which augments them (None: evaluation, as they are)."""
+        if self.augmented and epoch is not None:
+            self._requests.lists = ([(index, epoch) for index in part.tolist()] for part in parts)
+        else:
+            self._requests.lists = (part.tolist() for part in parts)
         with held():  # the first iteration forks the workers
             batches = iter(self._loader)
         for inputs, targets in batches:
@@ -162,13 +207,23 @@ class Loaded:
 
 
 def split_of(samples: Samples, device: torch.device, loader: str, workers: int,
-             channels_last: bool = False) -> DeviceSplit | Loaded:
+             channels_last: bool = False, seed: int | None = None) -> DeviceSplit | Loaded:
     """A workload's split as the loop and `evaluate` take it (train.loader): on the device whole
     ("memory"), or read by a DataLoader as the batches need it ("dataloader"). Either way its inputs
-    go through the workload's `on_device` there. Close it when done (the DataLoader's workers end)."""
+    go through the workload's `on_device` there. `seed`: the training split's train.seed, which seeds
+    its augmentation (a DataLoader's alone); other splits are read as they are. Close it when done
+    (the DataLoader's workers end)."""
+    augment = samples.augment if seed is not None else None
     if loader == "dataloader":
-        return Loaded(samples.dataset, device, workers, channels_last, on_device=samples.on_device)
+        return Loaded(samples.dataset, device, workers, channels_last, on_device=samples.on_device,
+                      augment=augment, seed=seed or 0)
+    if augment is not None:
+        raise ConfigError(AUGMENTED_IN_MEMORY)
     return whole_on_device(*whole(samples.dataset), device, samples.on_device, channels_last)
+
+
+AUGMENTED_IN_MEMORY = ("train.loader = memory, but the workload augments its training samples, anew every epoch, "
+                       "which only a DataLoader does: set train.loader: dataloader")
 
 
 def whole(dataset: Dataset) -> tuple[torch.Tensor, torch.Tensor]:

@@ -76,8 +76,10 @@ class DeviceSplit:
     def sample_input(self) -> torch.Tensor:
         return self.images[:1]
 
-    def feed(self, parts: Iterable[torch.Tensor]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(inputs, targets) of each list of indices in turn, gathered as each is asked for."""
+    def feed(self, parts: Iterable[torch.Tensor],
+             epoch: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(inputs, targets) of each list of indices in turn, gathered as each is asked for. `epoch`:
+        the training epoch they are for (None: evaluation); a split in memory is never augmented."""
         for idx in parts:
             yield self.images[idx], self.labels[idx]
 
@@ -269,7 +271,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
               rank: Rank, probe: Probe, show_bar: bool, desc: str, workload: Workload | None = None,
               max_grad_norm: float = 0.0, grad_accum_steps: int = 1, partial: dict | None = None,
               after_step: Callable | None = None, scaler: torch.amp.GradScaler | None = None,
-              device: torch.device | None = None, names: list[str] | None = None):
+              device: torch.device | None = None, names: list[str] | None = None, epoch: int = 0):
     """One pass over this rank's shares of the epoch's global batches, under the workload's loss (by
     default MNIST's); returns (loss sum, the workload's metrics summed (add_scores), each step's
     loss summed over this rank's share, the steps whose gradient was clipped) still on the device,
@@ -296,7 +298,8 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
     steps either way: it counts steps, not updates.
 
     `device`: where the model is (by default the in-memory data's); `order` is on data.index_device.
-    `names`: the workload's metrics (score_names, read once before the epochs; by default here)."""
+    `names`: the workload's metrics (score_names, read once before the epochs; by default here).
+    `epoch`: the epoch's number from 0, which seeds its samples' augmentation (Samples.augment)."""
     device = device or data.index_device
     workload = workload or default_workload()
     batches = global_batches(order, global_batch)
@@ -319,7 +322,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
     wrapped.train()
     # Each step's micro-batches of this rank's share, all decided now: a DataLoader reads ahead.
     step_parts = [micro_batches(rank_share(batch, rank), grad_accum_steps) for batch in batches[start:]]
-    feed = data.feed(part for parts in step_parts for part in parts)
+    feed = data.feed((part for parts in step_parts for part in parts), epoch=epoch)  # epoch: its augmentation
     for i, (batch, part_indices) in enumerate(tqdm(zip(batches[start:], step_parts), desc=desc, disable=not show_bar,
                                                    leave=False, initial=start, total=len(batches)), start):
         probe.start_step(i)
@@ -466,6 +469,7 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
                 probe=probe, show_bar=show_bar, desc=f"{run.mode} epoch {epoch + 1}/{config.epochs}",
                 workload=workload, names=names, max_grad_norm=config.max_grad_norm,
                 grad_accum_steps=config.grad_accum_steps, partial=resumed, scaler=scaler, device=device,
+                epoch=epoch,
                 after_step=step_checkpoints(run, model, optimizer, scheduler, scaler, history, epoch, steps,
                                             lambda: rng_states(rng_devices), started - carried_s, notice))
             train_wall = time.perf_counter() - started + carried_s

@@ -35,10 +35,15 @@ class Samples:
     tensors; one with `tensors` (torch's TensorDataset) is taken as they are where the split goes
     whole onto the device, any other is read once, sample by sample. `on_device`: what each batch's
     inputs go through once on the device (MNIST: uint8 pixels to normalised floats, 4x less to
-    copy), the same function of each sample whatever the batch."""
+    copy), the same function of each sample whatever the batch. `augment`: what a training sample's
+    input goes through as it is read, anew every epoch (train.loader: dataloader), its random draws
+    from torch's generator seeded by (train.seed, epoch, the sample's index): torchvision's
+    transforms as they are, the same draws in every mode, at any world size, on a rerun and a resume;
+    validation and test samples are not augmented."""
 
     dataset: Dataset
     on_device: Callable[[torch.Tensor], torch.Tensor] | None = None
+    augment: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

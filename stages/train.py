@@ -28,8 +28,8 @@ from pipeline.unfinished import OUTPUTS_COMPLETE, UNFINISHED_FILE, unfinished
 from pipeline.config import MODES, Config, flatten, load_config, read_config
 from pipeline.determinism import use_deterministic_algorithms
 from pipeline.precision import float32_means_float32
-from pipeline.errors import PipelineError
-from pipeline.batches import split_of
+from pipeline.errors import ConfigError, PipelineError
+from pipeline.batches import AUGMENTED_IN_MEMORY, split_of
 from pipeline.loop import TRACE_DIR, Training, steps_per_epoch
 from pipeline.loop import train as train_model
 from pipeline.prepared import STATS_FILE, load_stats
@@ -203,7 +203,7 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
         channels_last = device.type == "cuda" and config.train.channels_last
         train_split, val_split = (
             split_of(workload.split(data_dir, name), device, config.train.loader, config.train.loader_workers,
-                     channels_last) for name in ("train", "val"))
+                     channels_last, seed=config.train.seed if name == "train" else None) for name in ("train", "val"))
         log.info("%s: %d process(es) on %s, global batch %d", mode, rank.world_size,
                  parallel.device_name(device), config.train.batch_size)
         if config.train.loader == "dataloader":
@@ -409,14 +409,15 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
             forkserver.check_socket_path()
         if config.tracking.enabled:  # a store on one node's disk cannot take ranks from several
             check_worker_store(parallel.Rank(world_size=workers * nodes, local_world_size=workers))
-    check_prepared(data_dir, config.train.batch_size, workload, config.workload.class_path)
+    check_prepared(data_dir, config.train.batch_size, workload, config.workload.class_path, config.train.loader)
 
 
 def check_prepared(data_dir: Path, batch_size: int, workload: workloads.Workload | None = None,
-                   class_path: str | None = None) -> None:
+                   class_path: str | None = None, loader: str = "memory") -> None:
     """The prepared data is there, is what the workload's `prepare` wrote (its `split` checks), and
-    its samples go through the workload's model; a split too small for one batch is allowed (quick
-    runs) but said, with its numbers."""
+    its samples go through the workload's model; a training split that is augmented is read by a
+    DataLoader (`loader`); a split too small for one batch is allowed (quick runs) but said, with
+    its numbers."""
     workload = workload or workloads.default_workload()
     where = f"workload {class_path or workloads.WorkloadConfig().class_path}"
     described = load_stats(data_dir).get("splits", {})
@@ -424,6 +425,8 @@ def check_prepared(data_dir: Path, batch_size: int, workload: workloads.Workload
     for name in ("train", "val"):
         samples = workload.split(data_dir, name)
         counts[name] = len(samples.dataset)
+        if name == "train" and samples.augment is not None and loader == "memory":
+            raise ConfigError(f"{where}: {AUGMENTED_IN_MEMORY}")
         if not counts[name] or counts[name] != described.get(name, {}).get("count"):
             raise PipelineError(f"{data_dir}: the {name} split of {where} has {counts[name]} samples, and "
                                 f"{STATS_FILE} says {described.get(name, {}).get('count')}; run `mnist-pipeline "

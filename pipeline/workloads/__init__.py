@@ -25,7 +25,9 @@ And its data, MNIST's unless it gives its own:
   nothing half written;
 - `split(data_dir, name)`: one split of what `prepare` wrote, as `Samples`: a map-style Dataset of
   (input, target), read whole onto the device (train.loader: memory) or by DataLoader workers
-  (train.loader: dataloader), and what each batch's inputs go through once on the device.
+  (train.loader: dataloader), what each batch's inputs go through once on the device, and what
+  each training sample goes through as a DataLoader worker reads it, every epoch anew (seeded
+  by the pipeline per sample and epoch: augmentation that keeps the modes equal).
 
 The optimizer and its schedule are params (train.optimizer, train.schedule), not the workload's.
 """

@@ -1,0 +1,163 @@
+"""The built-in image workload (pipeline.workloads.images): a folder of images on disk in
+ImageFolder's layout, written here from MNIST's test images as PNGs, read by DataLoader workers and
+augmented per sample under seeds of (train.seed, epoch, index), so that which worker, rank or mode
+reads a sample changes nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.batches import AUGMENTED_IN_MEMORY, split_of
+from pipeline.config import DataConfig, WorkloadConfig
+from pipeline.errors import ConfigError, DataError
+from pipeline.loop import DeviceSplit, Training, train
+from pipeline.mnist import read_split
+from pipeline.parallel import Rank
+from pipeline.workloads import check_workload
+from pipeline.workloads.images import ImageFolderClassifier
+from tests.conftest import SMALL, load_weights, make_project, project_env, relative_difference, run, train_cli
+from tests.ddp_harness import rank_dir, run_ranks, train_config
+
+CPU = torch.device("cpu")
+
+
+def image_folder(root: Path, mnist: Path, classes: int = 3, per_class: int = 40) -> Path:
+    """root/digit<d>/<n>.png: MNIST test images of the first `classes` digits, written by Pillow
+    (not by the code under test), one as a JPEG."""
+    from PIL import Image
+
+    split, _ = read_split(mnist, "test", verify=False)
+    for digit in range(classes):
+        (root / f"digit{digit}").mkdir(parents=True)
+        for n, i in enumerate((split.labels == digit).nonzero().flatten()[:per_class].tolist()):
+            suffix = "jpg" if (digit, n) == (0, 0) else "png"
+            Image.fromarray(split.images[i].numpy()).save(root / f"digit{digit}" / f"{n}.{suffix}")
+    return root
+
+
+def workload(root: Path, **init_args) -> ImageFolderClassifier:
+    return ImageFolderClassifier(str(root), **{"classes": 3, "image_size": 16, "channels": 1, **init_args})
+
+
+@pytest.mark.fast
+def test_augmentation_is_seeded_per_sample_and_epoch_whatever_reads_it(tmp_path, mnist_dir):
+    images = workload(image_folder(tmp_path / "images", mnist_dir, per_class=12))
+    check_workload(images, WorkloadConfig("pipeline.workloads.images.ImageFolderClassifier", {}))
+    out = tmp_path / "prepared"
+    out.mkdir()
+    assert images.prepare(out, tmp_path, DataConfig(seed=1)) == f"{tmp_path / 'images'} (36 images, 3 classes)"
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["classes"] == ["digit0", "digit1", "digit2"] and stats["splits"]["train"]["count"] == 28
+    train = images.split(out, "train")
+    assert train.dataset[0][0].shape == (1, 16, 16) and train.augment is not None
+    assert images.split(out, "val").augment is None  # validation and test: as they are
+
+    # Rank 1's share of a batch, then sample 5 in another batch: each read draws the sample's own.
+    parts = [torch.arange(10), torch.tensor([5, 3])]
+    rng = torch.get_rng_state()
+    reads = {}
+    for workers, epoch in ((0, 1), (2, 1), (0, 2), (0, None)):
+        loaded = split_of(train, CPU, "dataloader", workers, seed=42)
+        reads[workers, epoch] = [inputs for inputs, _ in loaded.feed(iter(parts), epoch=epoch)]
+        loaded.close()
+    assert torch.equal(torch.get_rng_state(), rng)  # read in this process: its generator as it was
+    once = reads[0, 1]
+    assert all(torch.equal(a, b) for a, b in zip(once, reads[2, 1]))  # workers read what this process reads
+    assert torch.equal(once[0][5], once[1][0])  # the sample, not the batch or its place, decides
+    assert not torch.equal(once[0], reads[0, 2][0])  # each epoch anew
+    plain = images.split(out, "train").on_device(torch.stack([train.dataset[i][0] for i in range(10)]))
+    assert torch.equal(reads[0, None][0], plain) and not torch.equal(once[0], plain)  # no epoch: as stored
+    assert split_of(train, CPU, "memory", 0, seed=None) is not None  # no seed: not the training split
+    with pytest.raises(ConfigError, match=AUGMENTED_IN_MEMORY):
+        split_of(train, CPU, "memory", 0, seed=42)
+
+    # Prepared for other init_args: said, not read as if it fit.
+    with pytest.raises(DataError, match="not these workload.init_args"):
+        workload(tmp_path / "images", image_size=24).split(out, "train")
+
+
+PARAMS = {**SMALL, "data": {"seed": 3},
+          "workload": {"class_path": "pipeline.workloads.images.ImageFolderClassifier",
+                       "init_args": {"root": "data/images", "classes": 3, "image_size": 16, "channels": 1}},
+          "train": {**SMALL["train"], "modes": ["single", "ddp"], "batch_size": 16, "epochs": 3, "lr": 0.01,
+                    "loader": "dataloader",
+                    "loader_workers": 1},
+          "evaluate": {"batch_size": 50, "min_test_accuracy": 0.5}}
+
+
+def test_a_folder_of_images_is_prepared_trained_augmented_and_evaluated_by_the_stages(tmp_path, mnist_dir):
+    """prepare refuses a file that is not an image (naming it, writing nothing), then writes the
+    splits; train.loader: memory is refused for augmented data; single and 2-rank ddp train on
+    augmented samples and agree to rounding; evaluate scores the classifier, confusion included."""
+    project = make_project(tmp_path / "proj", PARAMS)
+    image_folder(project / "data/images", mnist_dir, per_class=60)
+    broken = project / "data/images/digit1/broken.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    refused = run(["mnist-pipeline", "prepare"], project, check=False, **project_env(project))
+    assert refused.returncode == 1 and "data/images/digit1/broken.png: not an image Pillow reads" in \
+        refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and not (project / "data/prepared").exists()
+    broken.unlink()
+    said = run(["mnist-pipeline", "prepare"], project, **project_env(project)).stdout
+    assert "prepared train 144, val 18, test 18 from data/images (180 images, 3 classes)" in said, said
+
+    params = project / "params.yaml"
+    text = params.read_text()
+    params.write_text(text.replace("loader: dataloader", "loader: memory"))
+    in_memory = train_cli(project, "single", check=False)
+    assert in_memory.returncode == 1 and AUGMENTED_IN_MEMORY in in_memory.stderr, in_memory.stderr
+    assert "Traceback" not in in_memory.stderr
+    assert [p.name for p in (project / "models").rglob("*") if p.is_file()] == [".train.lock"]  # the stage's lock
+    params.write_text(text)
+
+    for mode in ("single", "ddp"):
+        train_cli(project, mode)
+    single, ddp = load_weights(project, "single"), load_weights(project, "ddp")
+    assert relative_difference(single, ddp) < 1e-3  # GroupNorm: per sample, so the shares add up
+
+    run(["mnist-pipeline", "evaluate"], project, **project_env(project))
+    scores = json.loads((project / "results/eval/ddp.json").read_text())
+    assert scores["count"] == 18 and scores["accuracy"] > 0.5, scores  # it learns: chance is 1/3
+    assert scores["per_class_accuracy"].keys() == {"0", "1", "2"}
+
+
+def small_images(n: int, seed: int) -> DeviceSplit:
+    """Grey 16x16 images whose label is the brightest of the first three quarters."""
+    images = torch.rand(n, 1, 16, 16, generator=torch.Generator().manual_seed(seed))
+    return DeviceSplit(images, images.reshape(n, 2, 8, 2, 8).mean((2, 4)).flatten(1)[:, :3].argmax(1))
+
+
+def resnet(norm: str) -> WorkloadConfig:
+    return WorkloadConfig("pipeline.workloads.images.ImageFolderClassifier",
+                          {"root": "unused", "classes": 3, "image_size": 16, "channels": 1, "norm": norm})
+
+
+def _ddp_each_norm(r: int, world: int, norms: list[str], train_split: DeviceSplit, val_split: DeviceSplit,
+                   out: Path) -> None:
+    for norm in norms:
+        run = Training(train_config(16, epochs=2), "ddp", Rank(r, r, world, world), CPU, rank_dir(out / norm, r),
+                       workload=resnet(norm))
+        model, _ = train(run, train_split, val_split)
+        if r == 0:
+            torch.save(model.state_dict(), out / f"{norm}.pt")
+
+
+def test_group_norm_keeps_single_equal_to_ddp_and_batch_norm_does_not(tmp_path):
+    """Said in docs/workloads.md: GroupNorm normalises each sample alone, so 2 DDP ranks add up to
+    one device; BatchNorm normalises each rank's share by its own statistics, another function."""
+    train_split, val_split = small_images(96, 0), small_images(20, 1)
+    norms = ["group", "batch"]
+    run_ranks(2, _ddp_each_norm, norms, train_split, val_split, tmp_path)
+    for norm in norms:
+        run = Training(train_config(16, epochs=2), "single", Rank(), CPU, tmp_path / f"single-{norm}",
+                       workload=resnet(norm))
+        single = train(run, train_split, val_split)[0].state_dict()
+        apart = relative_difference(single, torch.load(tmp_path / f"{norm}.pt", weights_only=True))
+        if norm == "group":
+            assert apart < 1e-4, apart
+        else:
+            assert apart > 1e-3, apart
