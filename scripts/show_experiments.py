@@ -3,8 +3,9 @@
 `dvc exp show` lists every param and metric (one column per mode and key, far wider than a
 terminal); this reads its JSON and keeps six params that shape a training, every other param whose
 value differs between the rows shown (what a sweep swept: `-S train.weight_decay=...` gets a
-column), and the numbers that answer "which mode, and what did it buy" (the speed-up with its 95%
-interval, and how many things compare warned of). `make show ARGS=-A` passes arguments to it.
+column), and the numbers that answer "which mode, and what did it buy" (its test score: accuracy,
+or the workload's own metric; the speed-up with its 95% interval, and how many things compare
+warned of). `make show ARGS=-A` passes arguments to it.
 """
 
 from __future__ import annotations
@@ -16,9 +17,23 @@ import unicodedata
 
 MODES = ("single", "dp", "ddp")  # pipeline.config's order; this script runs without the package
 PARAMS = ("workload.init_args.model", "train.epochs", "train.batch_size", "train.lr", "train.nproc", "train.device")
-COLUMNS = (("accuracy", "test acc", "{:.2%}"), ("samples_per_s", "samples/s", "{:,.0f}"),
+COLUMNS = (("samples_per_s", "samples/s", "{:,.0f}"),
            ("speedup", "speed-up (95%)", "{:.2f}x"), ("train_time_s", "train time", "{:.1f} s"),
            ("timing_warnings", "warnings", "{:.0f}"))  # what compare warned of (reports/comparison.md says)
+# compare's own numbers in metrics/<mode>.json (pipeline.report.mode_metrics); the others there are
+# the workload's test scores.
+OWN = {"accuracy", "loss", "val_accuracy", "val_loss", "samples_per_s", "train_time_s", "timing_warnings",
+       *(f"{key}{end}" for key in ("speedup", "scaling_efficiency", "step_ms") for end in ("", "_low", "_high"))}
+
+
+def score(numbers: dict) -> str:
+    """A mode's test score, as compare heads its table: a classifier's accuracy, else the workload's
+    alphabetically first metric, by name, else its loss."""
+    if isinstance(numbers.get("accuracy"), (int, float)):
+        return f"{numbers['accuracy']:.2%}"
+    names = sorted(key for key, value in numbers.items() if key not in OWN and isinstance(value, (int, float)))
+    name = names[0] if names else "loss"
+    return f"{name} {numbers[name]:.4g}" if isinstance(numbers.get(name), (int, float)) else "-"
 
 
 def cell(numbers: dict, key: str, fmt: str) -> str:
@@ -95,7 +110,7 @@ def padded(text: str, width: int, right: bool) -> str:
 
 def table(found: list[dict]) -> str:
     shown = shown_params(found)
-    header = ["experiment", *(label(p) for p in shown), "mode", *(title for _, title, _ in COLUMNS)]
+    header = ["experiment", *(label(p) for p in shown), "mode", "test score", *(title for _, title, _ in COLUMNS)]
     lines = []
     for entry in found:
         # metrics/<mode>.json only: revisions from before it had other files (metrics/train/...).
@@ -105,7 +120,7 @@ def table(found: list[dict]) -> str:
         settings = [param(entry["params"], p) for p in shown]
         for i, (mode, numbers) in enumerate(modes or [("-", {})]):
             cells = [entry["name"] if i == 0 else "", *(settings if i == 0 else [""] * len(settings)), mode]
-            cells += [cell(numbers, key, fmt) for key, _, fmt in COLUMNS]
+            cells += [score(numbers), *(cell(numbers, key, fmt) for key, _, fmt in COLUMNS)]
             lines.append(cells)
     widths = [max(display_width(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
     text = [" ".join(padded(str(cell), w, right=i > len(shown) + 1)

@@ -216,6 +216,22 @@ def make_project(dest: Path, params: dict | None = None) -> Path:
     return dest
 
 
+def commit(project: Path, message: str) -> None:
+    run(["git", "add", "-A"], project)
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message], project)
+
+
+def code_at(project: Path, commit: str) -> str:
+    """The code digest a run records, of the project's code at `commit`."""
+    from pipeline import record
+
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "archive", commit, "pipeline", "stages", "workloads"], cwd=project, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        return record.code_digest(record.code_folders_in(Path(tmp)))
+
+
 def commit_notes(project: Path) -> None:
     """Two tracked files a patch must carry byte for byte: one in latin-1, one with CRLF line ends."""
     (project / "notes").mkdir()

@@ -2,17 +2,12 @@
 queue and with --temp run each stage in a temporary copy that DVC deletes afterwards. Each run
 carries the DVC experiment's name and baseline commit, so `dvc exp show` and MLflow meet."""
 
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from mlflow import MlflowClient
 
-from pipeline import record
-
-from tests.conftest import ROOT, SMALL, make_project, project_env, run
+from tests.conftest import ROOT, SMALL, code_at, commit, make_project, project_env, run
 
 ONLY_SINGLE = {**SMALL, "train": {**SMALL["train"], "modes": ["single"]}}
 
@@ -83,17 +78,3 @@ def test_queued_and_temp_experiments_land_in_the_projects_store(tmp_path, mnist_
         found = client.search_runs(ids, f"attributes.run_name LIKE '{name}/%'")
         assert {r.info.run_id for r in found} == {r.info.run_id for r in runs}
     assert not list((project / ".dvc").rglob("mlflow.db"))  # nothing went to a temporary copy's store
-
-
-def commit(project: Path, message: str) -> None:
-    run(["git", "add", "-A"], project)
-    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message], project)
-
-
-def code_at(project: Path, commit: str) -> str:
-    """The code digest a run records, of the project's code at `commit`."""
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = subprocess.run(["git", "archive", commit, "pipeline", "stages", "workloads"], cwd=project, check=True,
-                                 capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        return record.code_digest(record.code_folders_in(Path(tmp)))

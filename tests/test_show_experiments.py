@@ -51,3 +51,14 @@ def test_names_in_wide_scripts_keep_the_columns_aligned():
     lines = show_experiments.table(found).splitlines()
     starts = [show_experiments.display_width(line[:line.index("single")]) for line in lines[1:]]
     assert starts[0] == starts[1], lines
+
+
+def test_a_workload_without_accuracy_shows_its_own_first_score():
+    """A regression's metrics/<mode>.json holds its scores beside compare's numbers: the row shows
+    the first by name, as compare's table heads with it."""
+    found = [entry("  table", {}, {"abs_error": 0.31234, "squared_error": 0.2, "loss": 0.2, "samples_per_s": 900.0,
+                                   "speedup": 1.0, "speedup_low": 0.9, "speedup_high": 1.1, "step_ms": 3.0}),
+             entry("workspace", {}, {"accuracy": 0.975, "loss": 0.08, "speedup": 1.0})]
+    lines = show_experiments.table(found).splitlines()
+    assert "abs_error 0.3123" in lines[1] and "97.50%" in lines[2], lines
+    assert show_experiments.score({"loss": 0.25, "speedup": 1.0}) == "loss 0.25"

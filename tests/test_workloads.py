@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import textwrap
 from pathlib import Path
 
@@ -23,7 +24,8 @@ from pipeline.loop import add_scores, zero_scores
 from pipeline.tracking.delivery import op_checker
 from pipeline.workloads import Workload, check_workload, full_init_args, load_workload, saved_workload, workload_of
 from pipeline.workloads.mnist import Mnist
-from tests.conftest import SMALL, load_weights, make_project, prepare, project_env, relative_difference, run, train_cli
+from tests.conftest import (ROOT, SMALL, code_at, commit, load_weights, make_project, prepare, project_env,
+                            relative_difference, run, train_cli)
 from tests.ddp_harness import learnable_data, run_ranks, train_config, train_each
 
 # A team's workload: an MLP over the same images, a margin loss and a top-2 score. Per-sample terms,
@@ -463,3 +465,39 @@ def test_data_the_model_cannot_take_is_refused_before_training(tmp_path):
                                             r"of its train split \(RuntimeError: .*\); make prepare write what the "
                                             r"model takes"):
         check_prepared(tmp_path, 4, Wide(), "workloads.wide.Wide")
+
+
+def test_a_teams_workload_runs_as_a_dvc_experiment_and_is_reproduced_bit_for_bit(tmp_path):
+    """As docs/workloads.md tells a team: the example in workloads/, its table committed, prepare's
+    deps and params given both, then `dvc exp run -S workload...` from MNIST's params. The runs
+    record the code with workloads/ in it, `make show` heads the row with the workload's own score,
+    and `reproduce` re-makes the training from its record, bit for bit."""
+    import mlflow  # here: the fast tests above do without its import
+
+    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "modes": ["single"], "epochs": 3,
+                                                                    "batch_size": 64, "lr": 0.01}})
+    (project / "workloads/table.py").write_text((Path(__file__).parents[1] / "examples/workloads/table.py").read_text())
+    table_csv(project / "data/table.csv")
+    stages = yaml.safe_load((project / "dvc.yaml").read_text())
+    stages["stages"]["prepare"]["deps"].append("data/table.csv")
+    stages["stages"]["prepare"]["params"] = ["data", "workload.class_path", "workload.init_args"]
+    (project / "dvc.yaml").write_text(yaml.safe_dump(stages, sort_keys=False))
+    commit(project, "the team's workload")
+    init_args = "{source: data/table.csv, features: [x1, x2, x3], target: y, hidden: 16}"
+    run(["dvc", "exp", "run", "-n", "table", "-S", f"workload.class_path={TABLE['class_path']}",
+         "-S", "~workload.init_args", "-S", f"+workload.init_args={init_args}",
+         "-S", "evaluate.gate='abs_error <= 0.6'"], project, **project_env(project))
+
+    metrics = json.loads((project / "metrics/single.json").read_text())
+    assert "abs_error" in metrics and "accuracy" not in metrics, metrics
+    shown = run([sys.executable, str(ROOT / "scripts/show_experiments.py")], project, **project_env(project)).stdout
+    assert f"abs_error {metrics['abs_error']:.4g}" in shown, shown
+    client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    parent_id = json.loads((project / "models/single/mlflow_run.json").read_text())["parent"]
+    parent = client.get_run(parent_id)
+    assert parent.info.run_name == "table/single" and parent.data.params["workload.class_path"] == TABLE["class_path"]
+    head = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
+    assert parent.data.tags["code_sha256"] == code_at(project, head)  # workloads/table.py in it
+    proc = run(["mnist-pipeline", "reproduce", parent_id], project, check=False, **project_env(project))
+    said = [line for line in proc.stdout.splitlines() if line.startswith("reproduce: ")]
+    assert proc.returncode == 0 and said[-1].startswith("reproduce: reproduced bit for bit"), proc.stdout + proc.stderr
