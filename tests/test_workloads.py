@@ -262,6 +262,25 @@ def test_a_rank_with_no_validation_sample_still_sends_every_metric(tmp_path):
     assert epoch["val_accuracy"] in (0.0, 1.0) and math.isfinite(epoch["val_loss"])
 
 
+# In a folder with no project: mlflow.pyfunc.load_model, then a prediction, as JSON.
+LOAD_ELSEWHERE = """
+import json, sys
+import mlflow, torch
+model = mlflow.pyfunc.load_model(sys.argv[1])
+assert not __import__("pathlib").Path("workloads").exists()
+print(json.dumps(model.predict(torch.linspace(-1, 1, 2 * 28 * 28).reshape(2, 1, 28, 28).numpy()).tolist()))
+"""
+# In the project: pipeline.tracking.model.load_model, told the class its params name.
+LOAD_IN_PROJECT = """
+import json, sys
+import torch
+from pipeline.tracking.model import load_model
+model = load_model(sys.argv[1], allow="workloads.teamwork.Mlp")
+with torch.no_grad():
+    print(json.dumps(model(torch.linspace(-1, 1, 2 * 28 * 28).reshape(2, 1, 28, 28)).tolist()))
+"""
+
+
 def test_a_teams_workload_outside_the_package_trains_in_every_mode_and_is_evaluated(tmp_path, mnist_dir):
     """The stages, as a team runs them: its module in the project's workloads/ folder, named in
     params.yaml, imported by the stage and by DDP's ranks under torchrun. Its metrics are in the
@@ -291,6 +310,16 @@ def test_a_teams_workload_outside_the_package_trains_in_every_mode_and_is_evalua
     code = record.code_digest(record.code_folders_in(project))
     assert parent.data.tags["code_sha256"] == code != record.code_digest([project / "pipeline", project / "stages"])
     assert {"train_top2", "val_top2"} <= parent.data.metrics.keys()
+    # The logged model brings its workload's code: MLflow's loader builds it outside the project,
+    # and predicts what the project's own code does; ours, which runs nothing from the store, is
+    # told which class the project's params name.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    store = {"MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}"}
+    model_uri = f"runs:/{parent.info.run_id}/model"
+    loaded = run([sys.executable, "-c", LOAD_ELSEWHERE, model_uri], elsewhere, **store).stdout
+    ours = run([sys.executable, "-c", LOAD_IN_PROJECT, model_uri], project, **project_env(project, **store)).stdout
+    assert torch.allclose(torch.tensor(json.loads(loaded)), torch.tensor(json.loads(ours))), (loaded, ours)
     run(["mnist-pipeline", "evaluate", "--mode", "single"], project, **project_env(project))
     assert yaml.safe_load((project / "results/eval/single.json").read_text())["accuracy"] > 0.5
 

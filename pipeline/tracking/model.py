@@ -39,6 +39,7 @@ def log_model(client, uri: str, op: dict) -> None:
     mlflow.set_experiment(experiment_id=client.get_run(op["run"]).info.experiment_id)
     registered = op.get("registered")
     code = mlflow_model.__file__
+    own = _own_workload(op.get("workload"))
     with _requirements_known_met():
         info = Model.log(
             None,  # artifact_path, which MLflow 3 replaced by name
@@ -53,6 +54,7 @@ def log_model(client, uri: str, op: dict) -> None:
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"mlflow=={mlflow.__version__}"],
             registered_model_name=registered,
             flavor_name=mlflow.pyfunc._get_pyfunc_model_flavor_name(code),
+            **own,
         )
     # The weights as logged, by content: what `mnist-pipeline reproduce` compares a re-made run's with.
     client.set_tag(op["run"], "weights_sha256", record.saved_weights_digest(path))
@@ -61,6 +63,20 @@ def log_model(client, uri: str, op: dict) -> None:
         client.set_registered_model_alias(registered, op["mode"], version)
         for key, value in {"mode": op["mode"], "run_id": op["run"], **git_facts()}.items():
             client.set_model_version_tag(registered, version, key, value)
+
+
+def _own_workload(class_path: str | None) -> dict:
+    """For a workload of the project's own (workloads.*), its package logged with the model, and its
+    class path in the model's config: `mlflow.pyfunc.load_model`, which runs the model's code, builds
+    it anywhere, with the package installed and without the project. The package's: nothing."""
+    import sys
+
+    from pipeline.workloads import PACKAGE
+
+    if not class_path or class_path.startswith(PACKAGE):
+        return {}
+    package = Path(sys.modules[class_path.split(".")[0]].__file__).parent  # imported by build_from_weights
+    return {"code_paths": [str(package)], "model_config": {"workload": class_path}}
 
 
 @contextmanager
@@ -85,16 +101,17 @@ def _requirements_known_met() -> Iterator[None]:
         yield
 
 
-def load_model(model_uri: str):
+def load_model(model_uri: str, allow: str | None = None):
     """The network a mode logged (`runs:/ID/model`, `models:/NAME@ddp`), built by this package's
-    code from the logged weights alone: nothing from the artifact store is run or unpickled, so
+    code (or by `allow`, the project's own workload class that params.yaml names, imported from the
+    project) from the logged weights alone: nothing from the artifact store is run or unpickled, so
     whoever can write to the store cannot run code on whoever loads the model."""
     import tempfile
 
     from pipeline.tracking.mlflow_model import build_from_weights
 
     with tempfile.TemporaryDirectory() as tmp:
-        return build_from_weights(str(download_weights(model_uri, Path(tmp))))
+        return build_from_weights(str(download_weights(model_uri, Path(tmp))), allow=allow)
 
 
 def download_weights(model_uri: str, folder: Path, uri: str | None = None) -> Path:
