@@ -63,8 +63,8 @@ log = logging.getLogger(__name__)
 class DeviceSplit:
     """A split in memory, on the device: the loop's data (batches.Loaded reads it from disk instead)."""
 
-    images: torch.Tensor  # float32 [N, 1, 28, 28], normalised, on the device
-    labels: torch.Tensor  # int64 [N], on the device
+    images: torch.Tensor  # the inputs, after the workload's on_device (MNIST: float32 [N, 1, 28, 28]), on the device
+    labels: torch.Tensor  # the targets (MNIST: int64 [N]), on the device
 
     def __len__(self) -> int:
         return len(self.labels)

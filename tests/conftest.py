@@ -216,6 +216,37 @@ def make_project(dest: Path, params: dict | None = None) -> Path:
     return dest
 
 
+def table_csv(path: Path, rows: int = 600) -> Path:
+    """A table a team might have: y a smooth function of three columns, plus a little noise."""
+    import torch
+
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, 3, generator=generator, dtype=torch.float64)
+    y = torch.sin(x[:, 0]) + 0.5 * x[:, 1] * x[:, 2] + 0.05 * torch.randn(rows, generator=generator, dtype=torch.float64)
+    lines = ["id,x1,x2,x3,y"] + [f"{i},{a:.6f},{b:.6f},{c:.6f},{t:.6f}" for i, ((a, b, c), t) in
+                                 enumerate(zip(x.tolist(), y.tolist()))]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# examples/workloads/table.py as params.yaml names it once copied into a project (add_table_workload).
+TABLE = {"class_path": "workloads.table.Regression",
+         "init_args": {"source": "data/table.csv", "features": ["x1", "x2", "x3"], "target": "y", "hidden": 16}}
+
+
+def add_table_workload(project: Path) -> Path:
+    """examples/workloads/table.py in `project` as docs/workloads.md tells a team: the module in
+    workloads/, its table in data/, and both in the prepare stage's deps and params; the table's path."""
+    (project / "workloads/table.py").write_text((ROOT / "examples/workloads/table.py").read_text())
+    table = table_csv(project / "data/table.csv")
+    stages = yaml.safe_load((project / "dvc.yaml").read_text())
+    stages["stages"]["prepare"]["deps"].append("data/table.csv")
+    stages["stages"]["prepare"]["params"] = ["data", "workload.class_path", "workload.init_args"]
+    (project / "dvc.yaml").write_text(yaml.safe_dump(stages, sort_keys=False))
+    return table
+
+
 def commit(project: Path, message: str) -> None:
     run(["git", "add", "-A"], project)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", message], project)

@@ -23,6 +23,8 @@ from tests.conftest import (
     ROOT,
     SERVER_ENV,
     SMALL,
+    TABLE,
+    add_table_workload,
     load_weights,
     make_project,
     max_abs_diff,
@@ -392,10 +394,15 @@ def slurm(hosts):
 def test_with_slurm_single_dp_and_evaluate_run_in_jobs_too(hosts, slurm, tracking_server, mnist_dir, tmp_path):
     """train.launcher: slurm sends every stage that uses the device to the cluster, not only DDP, so
     that the speed-ups compare one kind of node: single and dp train in one-process jobs, and
-    evaluate tests them in a third; the login node runs only `dvc repro` (and prepare, compare)."""
-    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "launcher": "slurm",
-                                                                  "modes": ["single", "dp"], "nodes": 1,
-                                                                  "nproc": 1, "cpus_per_rank": 1}})
+    evaluate tests them in a third; the login node runs only `dvc repro` (and prepare, compare).
+    The workload is a team's own (examples/workloads/table.py in the project's workloads/): the
+    jobs build it from the project, as they build MNIST."""
+    project = make_project(tmp_path / "proj", {**SMALL, "workload": TABLE,
+                                               "train": {**SMALL["train"], "launcher": "slurm",
+                                                         "modes": ["single", "dp"], "nodes": 1, "nproc": 1,
+                                                         "cpus_per_rank": 1, "epochs": 3, "batch_size": 64, "lr": 0.01},
+                                               "evaluate": {"gate": "abs_error <= 0.6"}})
+    add_table_workload(project)
     env = {**slurm, **project_env(project, MLFLOW_TRACKING_URI=tracking_server, MNIST_SOURCE=str(mnist_dir),
                                   **CREDENTIALS)}
     proc = hosts[0].run(["dvc", "repro", "evaluate"], cwd=project, env=env, timeout=TWO_NODE_TIMEOUT_S)
@@ -411,15 +418,15 @@ def test_with_slurm_single_dp_and_evaluate_run_in_jobs_too(hosts, slurm, trackin
         # train.device: auto on a partition whose nodes hold GPUs (gres.conf): each job asks for its own
         assert re.search(rf"mnist-pipeline {command} on node-[ab]: GPUs: 1, CPUs: 1", text), text[-3000:]
     for mode in ("single", "dp"):
-        assert f"{mode} epoch 2/2" in logs[mode][0].read_text()  # trained there, not here
-        assert f"{mode}: test accuracy" in logs["evaluate"][0].read_text()
-        assert json.loads((project / f"results/eval/{mode}.json").read_text())["accuracy"] > 0.5
-    # The job's runs are the stage's: each mode's run finished, with the test accuracy the job logged.
+        assert f"{mode} epoch 3/3" in logs[mode][0].read_text()  # trained there, not here
+        assert f"{mode}: test abs_error" in logs["evaluate"][0].read_text()
+        assert json.loads((project / f"results/eval/{mode}.json").read_text())["abs_error"] <= 0.6
+    # The job's runs are the stage's: each mode's run finished, with the test scores the job logged.
     runs = server_runs(hosts[0], tracking_server)
     for mode in ("single", "dp"):
         parent_id = json.loads((project / f"models/{mode}/mlflow_run.json").read_text())["parent"]
         (parent,) = [r for r in runs if r["id"] == parent_id]
-        assert parent["status"] == "FINISHED" and "test_accuracy" in parent["metrics"], parent
+        assert parent["status"] == "FINISHED" and "test_abs_error" in parent["metrics"], parent
 
 
 def test_a_training_stopped_while_its_job_runs_cancels_the_job(hosts, slurm, mnist_dir, tmp_path):

@@ -24,8 +24,8 @@ from pipeline.loop import add_scores, zero_scores
 from pipeline.tracking.delivery import op_checker
 from pipeline.workloads import Workload, check_workload, full_init_args, load_workload, saved_workload, workload_of
 from pipeline.workloads.mnist import Mnist
-from tests.conftest import (ROOT, SMALL, code_at, commit, load_weights, make_project, prepare, project_env,
-                            relative_difference, run, train_cli)
+from tests.conftest import (ROOT, SMALL, TABLE, add_table_workload, code_at, commit, load_weights, make_project,
+                            prepare, project_env, relative_difference, run, train_cli)
 from tests.ddp_harness import learnable_data, run_ranks, train_config, train_each
 
 # A team's workload: an MLP over the same images, a margin loss and a top-2 score. Per-sample terms,
@@ -337,22 +337,6 @@ def test_a_teams_workload_outside_the_package_trains_in_every_mode_and_is_evalua
     assert kept() == before
 
 
-def table_csv(path: Path, rows: int = 600) -> Path:
-    """A table a team might have: y a smooth function of three columns, plus a little noise."""
-    generator = torch.Generator().manual_seed(7)
-    x = torch.randn(rows, 3, generator=generator, dtype=torch.float64)
-    y = torch.sin(x[:, 0]) + 0.5 * x[:, 1] * x[:, 2] + 0.05 * torch.randn(rows, generator=generator, dtype=torch.float64)
-    lines = ["id,x1,x2,x3,y"] + [f"{i},{a:.6f},{b:.6f},{c:.6f},{t:.6f}" for i, ((a, b, c), t) in
-                                 enumerate(zip(x.tolist(), y.tolist()))]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-TABLE = {"class_path": "workloads.table.Regression",
-         "init_args": {"source": "data/table.csv", "features": ["x1", "x2", "x3"], "target": "y", "hidden": 16}}
-
-
 def test_a_teams_own_data_is_prepared_trained_and_evaluated_by_the_stages(tmp_path):
     """examples/workloads/table.py, copied into a project as its docs say: a regression on a CSV
     file, its own prepare (the file checked, split, standardised) and split, MSE, and metrics that
@@ -363,8 +347,7 @@ def test_a_teams_own_data_is_prepared_trained_and_evaluated_by_the_stages(tmp_pa
               "train": {**SMALL["train"], "batch_size": 64, "epochs": 3, "lr": 0.01},
               "evaluate": {"batch_size": 100, "min_test_accuracy": 0.9, "gate": "abs_error <= 0.6"}}
     project = make_project(tmp_path / "proj", params)
-    (project / "workloads/table.py").write_text((Path(__file__).parents[1] / "examples/workloads/table.py").read_text())
-    table = table_csv(project / "data/table.csv")
+    table = add_table_workload(project)
 
     # A column the params name that the file lacks: one line, and no data/prepared.
     text = table.read_text()
@@ -505,12 +488,7 @@ def test_a_teams_workload_runs_as_a_dvc_experiment_and_is_reproduced_bit_for_bit
 
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "modes": ["single"], "epochs": 3,
                                                                     "batch_size": 64, "lr": 0.01}})
-    (project / "workloads/table.py").write_text((Path(__file__).parents[1] / "examples/workloads/table.py").read_text())
-    table_csv(project / "data/table.csv")
-    stages = yaml.safe_load((project / "dvc.yaml").read_text())
-    stages["stages"]["prepare"]["deps"].append("data/table.csv")
-    stages["stages"]["prepare"]["params"] = ["data", "workload.class_path", "workload.init_args"]
-    (project / "dvc.yaml").write_text(yaml.safe_dump(stages, sort_keys=False))
+    add_table_workload(project)
     commit(project, "the team's workload")
     init_args = "{source: data/table.csv, features: [x1, x2, x3], target: y, hidden: 16}"
     run(["dvc", "exp", "run", "-n", "table", "-S", f"workload.class_path={TABLE['class_path']}",
