@@ -25,11 +25,11 @@ MODEL_FILE = "model.pt"
 # and skips the steps whose gradients overflowed.)
 # The workload (its class and arguments: the model, the loss) shapes it too.
 TRAJECTORY_KEYS = ("epochs", "batch_size", "optimizer", "schedule", "lr", "momentum", "weight_decay",
-                   "max_grad_norm", "grad_accum_steps", "seed", "bf16", "fp16", "deterministic")
-# What a checkpoint saved before the optimizer, the schedule, clipping, accumulation and fp16 were
-# settings trained with.
+                   "max_grad_norm", "grad_accum_steps", "seed", "bf16", "fp16", "deterministic", "sync_batchnorm")
+# What a checkpoint saved before the optimizer, the schedule, clipping, accumulation, fp16 and
+# SyncBatchNorm were settings trained with.
 TRAJECTORY_BEFORE = {"optimizer": "adam", "schedule": "onecycle", "momentum": None, "max_grad_norm": 0.0,
-                     "grad_accum_steps": 1, "fp16": False}
+                     "grad_accum_steps": 1, "fp16": False, "sync_batchnorm": False}
 
 
 def trajectory(config: TrainConfig, mode: str, workload: WorkloadConfig | None = None) -> dict[str, Any]:

@@ -110,6 +110,9 @@ class TrainConfig:
     # bf16 (V100, T4). On the CPU it trains, slowly; it is there to be tested.
     fp16: bool = False
     channels_last: bool = True
+    # ddp: the model's BatchNorm layers as torch's SyncBatchNorm, normalising by the global batch's
+    # statistics, as one device does (docs/workloads.md). GPUs only: torch's has no CPU kernel.
+    sync_batchnorm: bool = False
     # Deterministic algorithms (cuDNN, cuBLAS, torch): identical runs and resumes give the same
     # bits on GPUs too, at some speed there; the CPU's ops are deterministic either way.
     deterministic: bool = True

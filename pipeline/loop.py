@@ -226,7 +226,8 @@ def build(config: TrainConfig, steps: int, device: torch.device, workload: Workl
 
 def wrap_for_mode(model: nn.Module, config: TrainConfig, device: torch.device, mode: str) -> nn.Module:
     # Autocast inside the module that DataParallel replicates (see pipeline.precision).
-    return wrap(with_autocast(model, device, autocast_dtype(device, config.bf16, config.fp16)), mode, device)
+    return wrap(with_autocast(model, device, autocast_dtype(device, config.bf16, config.fp16)), mode, device,
+                sync_batchnorm=config.sync_batchnorm)
 
 
 def settle_gradient_buckets(wrapped: nn.Module, data: Data) -> None:

@@ -215,6 +215,18 @@ def check_every_mode(train, mode: str | None = None) -> None:
             check_world_size(train.batch_size, workers * nodes, train.grad_accum_steps)
         except ConfigError as exc:
             raise ConfigError(f"ddp{' (in train.modes)' if 'ddp' in train.modes else ''}: {exc}") from None
+        # Here, the devices this host has; a Slurm job's node checks its own (pipeline.parallel.wrap).
+        if train.sync_batchnorm and train.launcher == "local":
+            check_sync_batchnorm("cuda" if gpus.gpus_as_wanted(train.device) else "cpu")
+
+
+def check_sync_batchnorm(device_type: str) -> None:
+    """train.sync_batchnorm under ddp needs GPUs: torch's SyncBatchNorm refuses CPU tensors (its
+    kernels are CUDA's), which would fail the first step of every rank."""
+    if device_type != "cuda":
+        raise ConfigError("train.sync_batchnorm is true, but ddp trains on the CPU here, where torch's SyncBatchNorm "
+                          "does not run: set it false (each rank then normalises its own share of the batch), or train "
+                          "on GPUs")
 
 
 def batch_shares(batch: int, world_size: int) -> list[int]:
@@ -283,14 +295,21 @@ def process_group(rank: Rank, device: torch.device) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, mode: str, device: torch.device) -> nn.Module:
-    """The model as each mode trains it; `unwrap` gives back the module that holds the weights."""
+def wrap(model: nn.Module, mode: str, device: torch.device, sync_batchnorm: bool = False) -> nn.Module:
+    """The model as each mode trains it; `unwrap` gives back the module that holds the weights.
+    `sync_batchnorm` (ddp): its BatchNorm layers become SyncBatchNorm, in place, with the same
+    parameters and buffers (the optimizer's, the checkpoint's), before DDP wraps it."""
     if mode == "dp":
         if device.type != "cuda":
             log.warning("dp: no CUDA device, so DataParallel has nothing to split; training the bare module on the CPU")
             return model
         return nn.DataParallel(model)
     if mode == "ddp":
+        if sync_batchnorm:
+            check_sync_batchnorm(device.type)
+            if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+                log.warning("ddp: train.sync_batchnorm is true, but the model has no BatchNorm layer to sync")
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         device_ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     return model

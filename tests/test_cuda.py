@@ -269,3 +269,25 @@ def test_the_driver_version_is_recorded_as_the_driver_says():
     assert driver_version() == driver[1]
     for index in range(torch.cuda.device_count()):
         assert gpus.runs_here(torch.cuda.get_device_capability(index), torch.cuda.get_arch_list())
+
+
+def test_sync_batchnorm_makes_a_batchnorm_model_on_every_gpu_agree_with_single(tmp_path, mnist_dir):
+    """train.sync_batchnorm: the image workload's BatchNorm layers normalise by the global batch's
+    statistics on every rank, as single does over the whole batch: the weights agree to rounding.
+    Without it each rank normalises its own share (tests/test_image_workload.py shows the gap on
+    the CPU, where torch's SyncBatchNorm does not run)."""
+    from tests.test_image_workload import PARAMS, image_folder
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("SyncBatchNorm syncs across ranks: two GPUs at least")
+    workload = {**PARAMS["workload"], "init_args": {**PARAMS["workload"]["init_args"], "norm": "batch"}}
+    project = make_project(tmp_path / "proj", {**PARAMS, "workload": workload,
+                                               "train": {**PARAMS["train"], "nproc": 0, "bf16": False,
+                                                         "sync_batchnorm": True}})
+    image_folder(project / "data/images", mnist_dir, per_class=60)
+    run(["mnist-pipeline", "prepare"], project, **project_env(project))
+    for mode in ("single", "ddp"):
+        train_cli(project, mode)
+    difference = relative_difference(load_weights(project, "single"), load_weights(project, "ddp"))
+    print(f"relative |single - ddp| with SyncBatchNorm on {torch.cuda.device_count()} GPUs: {difference:.2e}")
+    assert difference < FP32_RELATIVE_TOLERANCE

@@ -5,6 +5,7 @@ reads a sample changes nothing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,11 +13,12 @@ import pytest
 import torch
 
 from pipeline.batches import AUGMENTED_IN_MEMORY, split_of
+from pipeline.checkpoint import settings_changed, trajectory
 from pipeline.config import DataConfig, WorkloadConfig
 from pipeline.errors import ConfigError, DataError
 from pipeline.loop import DeviceSplit, Training, train
 from pipeline.mnist import read_split
-from pipeline.parallel import Rank
+from pipeline.parallel import Rank, check_every_mode, wrap
 from pipeline.workloads import check_workload
 from pipeline.workloads.images import ImageFolderClassifier
 from tests.conftest import SMALL, load_weights, make_project, project_env, relative_difference, run, train_cli
@@ -112,6 +114,11 @@ def test_a_folder_of_images_is_prepared_trained_augmented_and_evaluated_by_the_s
     assert in_memory.returncode == 1 and AUGMENTED_IN_MEMORY in in_memory.stderr, in_memory.stderr
     assert "Traceback" not in in_memory.stderr
     assert [p.name for p in (project / "models").rglob("*") if p.is_file()] == [".train.lock"]  # the stage's lock
+    # SyncBatchNorm cannot run on these CPUs: refused before single trains, as ddp is in train.modes.
+    params.write_text(text.replace("sync_batchnorm: false", "sync_batchnorm: true"))
+    synced = train_cli(project, "single", check=False)
+    assert synced.returncode == 1 and "train.sync_batchnorm is true, but ddp trains on the CPU" in synced.stderr
+    assert [p.name for p in (project / "models").rglob("*") if p.is_file()] == [".train.lock"]
     params.write_text(text)
 
     for mode in ("single", "ddp"):
@@ -161,3 +168,19 @@ def test_group_norm_keeps_single_equal_to_ddp_and_batch_norm_does_not(tmp_path):
             assert apart < 1e-4, apart
         else:
             assert apart > 1e-3, apart
+
+
+@pytest.mark.fast
+def test_sync_batchnorm_is_refused_where_ddp_would_train_on_the_cpu_and_is_part_of_the_trajectory():
+    synced = dataclasses.replace(train_config(16), sync_batchnorm=True, device="cpu")
+    with pytest.raises(ConfigError, match="train.sync_batchnorm is true, but ddp trains on the CPU here"):
+        check_every_mode(synced)  # ddp in train.modes: before single trains
+    check_every_mode(dataclasses.replace(synced, modes=("single",)))  # no ddp: nothing to sync
+    model = ImageFolderClassifier("unused", classes=3, image_size=16, channels=1, norm="batch").build_model()
+    with pytest.raises(ConfigError, match="train.sync_batchnorm"):  # a Slurm node without GPUs: the rank says so
+        wrap(model, "ddp", CPU, sync_batchnorm=True)
+    # A checkpoint trained without it is not continued with it; one from before the setting was without it.
+    plain = trajectory(train_config(16), "ddp")
+    assert settings_changed({"trajectory": plain}, trajectory(synced, "ddp")) == "sync_batchnorm: False -> True"
+    before = {key: value for key, value in plain.items() if key != "sync_batchnorm"}
+    assert settings_changed({"trajectory": before}, plain) == ""
