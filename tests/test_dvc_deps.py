@@ -72,3 +72,14 @@ def test_stage_deps_cover_the_code_it_runs(stage):
     # cannot change its outputs (the UI's links retraining every mode).
     listed_code = {dep for dep in deps if dep.startswith(PACKAGES) and dep.endswith(".py")}
     assert sorted(listed_code - needed) == []
+
+
+def test_every_setting_a_training_follows_is_a_param_of_the_train_stage():
+    """A checkpoint continues only under its trajectory's settings (pipeline.checkpoint): each is
+    one DVC reruns the training for, or an edit would leave the last one's model standing."""
+    from pipeline.checkpoint import TRAJECTORY_KEYS
+
+    stage = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]
+    params = stage.get("do", stage)["params"]
+    assert "workload" in params
+    assert [f"train.{key}" for key in TRAJECTORY_KEYS if f"train.{key}" not in params] == []
