@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import multiprocessing
+import random
 import signal
 import threading
 from contextlib import contextmanager
@@ -109,9 +110,10 @@ def sample_seed(seed: int, epoch: int, index: int) -> int:
 
 
 class _Augmented(Dataset):
-    """A dataset whose samples asked for as (index, epoch) are augmented, under torch's generator
-    seeded for that sample and epoch, then put back as it was (the rank's dropout draws, where the
-    loader reads in this process, are untouched); an index alone gives the sample as it is."""
+    """A dataset whose samples asked for as (index, epoch) are augmented, under torch's CPU
+    generator and Python's `random` seeded for that sample and epoch, then put back as they were
+    (the rank's dropout draws, where the loader reads in this process, are untouched); an index
+    alone gives the sample as it is."""
 
     def __init__(self, dataset: Dataset, augment: Callable[[torch.Tensor], torch.Tensor], seed: int):
         self.dataset, self.augment, self.seed = dataset, augment, seed
@@ -124,9 +126,17 @@ class _Augmented(Dataset):
             return self.dataset[key]
         index, epoch = key
         inputs, target = self.dataset[index]
+        seed = sample_seed(self.seed, epoch, index)
+        python_state = random.getstate()
+        # The CPU's generator alone: torch.manual_seed would reseed every GPU's too, which a loader
+        # reading in the training process (loader_workers: 0) must leave to dropout.
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(sample_seed(self.seed, epoch, index))
-            return self.augment(inputs), target
+            torch.default_generator.manual_seed(seed)
+            random.seed(seed)  # torchvision's RandomChoice and RandomOrder draw from Python's
+            try:
+                return self.augment(inputs), target
+            finally:
+                random.setstate(python_state)
 
 
 def _shut_down(loader: DataLoader) -> None:
@@ -159,7 +169,7 @@ class Loaded:
         sample = default_collate([dataset[0]])
         self._requests = _Requests()
         self._loader = DataLoader(
-            _Augmented(dataset, augment, seed) if augment else dataset, batch_sampler=self._requests,
+            _Augmented(dataset, augment, seed) if augment is not None else dataset, batch_sampler=self._requests,
             num_workers=workers,
             collate_fn=_Collate(tuple(tensor[:0] for tensor in sample)),
             pin_memory=device.type == "cuda", persistent_workers=workers > 0,

@@ -38,6 +38,8 @@ def trajectory(config: TrainConfig, mode: str, workload: WorkloadConfig | None =
     settings = asdict(config)
     if config.optimizer != "sgd":
         settings["momentum"] = None  # SGD's alone: a change under Adam changes nothing trained
+    if mode != "ddp":
+        settings["sync_batchnorm"] = False  # ddp's alone: single and dp normalise the whole batch anyway
     workload = workload or WorkloadConfig()
     return {"mode": mode, "workload": {"class_path": workload.class_path, "init_args": full_init_args(workload)},
             **{key: settings[key] for key in TRAJECTORY_KEYS}}

@@ -239,9 +239,14 @@ def settle_gradient_buckets(wrapped: nn.Module, data: Data) -> None:
     taken in another order round differently. A run resumed mid-training would reduce its first
     step in the first layout where the uninterrupted run used the second, and end a few ulps off.
     One backward of a zero loss (zero gradients, all-reduced, no optimizer step) makes every run,
-    fresh or resumed, train every step in the same layout."""
+    fresh or resumed, train every step in the same layout. The forward runs in training mode, which
+    moves batch norm's running statistics: they are put back, as ddp's alone would differ."""
+    buffers = [(buffer, buffer.clone()) for buffer in wrapped.buffers()]
     (wrapped(data.sample_input()).float().sum() * 0).backward()
     wrapped.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for buffer, kept in buffers:
+            buffer.copy_(kept)
 
 
 def share_loss(outputs: torch.Tensor, targets: torch.Tensor, batch_len: int, world_size: int,

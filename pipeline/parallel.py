@@ -215,6 +215,13 @@ def check_every_mode(train, mode: str | None = None) -> None:
             check_world_size(train.batch_size, workers * nodes, train.grad_accum_steps)
         except ConfigError as exc:
             raise ConfigError(f"ddp{' (in train.modes)' if 'ddp' in train.modes else ''}: {exc}") from None
+        if train.sync_batchnorm and train.grad_accum_steps > 1:
+            # SyncBatchNorm meets the other ranks in every micro-batch's forward and backward, and a
+            # short last batch can give the ranks different numbers of them (micro_batches drops
+            # empty ones): the ranks would wait on each other for good.
+            raise ConfigError("train.sync_batchnorm is true with train.grad_accum_steps = "
+                              f"{train.grad_accum_steps}: SyncBatchNorm needs every rank to run as many micro-batches, "
+                              "which a short last batch does not give; set one of them back")
         # Here, the devices this host has; a Slurm job's node checks its own (pipeline.parallel.wrap).
         if train.sync_batchnorm and train.launcher == "local":
             check_sync_batchnorm("cuda" if gpus.gpus_as_wanted(train.device) else "cpu")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,10 @@ from pipeline.batches import AUGMENTED_IN_MEMORY, split_of
 from pipeline.checkpoint import settings_changed, trajectory
 from pipeline.config import DataConfig, WorkloadConfig
 from pipeline.errors import ConfigError, DataError
-from pipeline.loop import DeviceSplit, Training, train
+from pipeline.loop import DeviceSplit, Training, settle_gradient_buckets, train
 from pipeline.mnist import read_split
 from pipeline.parallel import Rank, check_every_mode, wrap
-from pipeline.workloads import check_workload
+from pipeline.workloads import check_workload, load_workload
 from pipeline.workloads.images import ImageFolderClassifier
 from tests.conftest import SMALL, load_weights, make_project, project_env, relative_difference, run, train_cli
 from tests.ddp_harness import rank_dir, run_ranks, train_config
@@ -74,12 +75,46 @@ def test_augmentation_is_seeded_per_sample_and_epoch_whatever_reads_it(tmp_path,
     plain = images.split(out, "train").on_device(torch.stack([train.dataset[i][0] for i in range(10)]))
     assert torch.equal(reads[0, None][0], plain) and not torch.equal(once[0], plain)  # no epoch: as stored
     assert split_of(train, CPU, "memory", 0, seed=None) is not None  # no seed: not the training split
+    # Python's random too (torchvision's RandomChoice draws from it), put back as it was.
+    by_python = dataclasses.replace(train, augment=lambda image: image // 2 + random.randrange(100))
+    state = random.getstate()
+    drawn = {}
+    for workers in (0, 2):
+        loaded = split_of(by_python, CPU, "dataloader", workers, seed=42)
+        drawn[workers] = [inputs for inputs, _ in loaded.feed(iter(parts), epoch=1)]
+        loaded.close()
+    assert random.getstate() == state
+    assert all(torch.equal(a, b) for a, b in zip(drawn[0], drawn[2])) and torch.equal(drawn[0][0][5], drawn[0][1][0])
     with pytest.raises(ConfigError, match=AUGMENTED_IN_MEMORY):
         split_of(train, CPU, "memory", 0, seed=42)
 
     # Prepared for other init_args: said, not read as if it fit.
     with pytest.raises(DataError, match="not these workload.init_args"):
         workload(tmp_path / "images", image_size=24).split(out, "train")
+
+
+@pytest.mark.fast
+def test_prepare_skips_hidden_folders_and_refuses_images_it_would_clip(tmp_path, mnist_dir):
+    from PIL import Image
+
+    root = image_folder(tmp_path / "images", mnist_dir, per_class=4)
+    (root / ".ipynb_checkpoints").mkdir()  # not a class
+    (root / ".ipynb_checkpoints" / "a.png").write_bytes((root / "digit0" / "1.png").read_bytes())
+    wide = root / "digit2" / "wide.png"
+    Image.fromarray(torch.arange(0, 65536, 64, dtype=torch.int32).reshape(32, 32).numpy().astype("uint16")).save(wide)
+    assert Image.open(wide).mode.startswith("I;16")
+    images = workload(root, val_fraction=0.25, test_fraction=0.25)
+    with pytest.raises(DataError, match="wide.png: a 16-bit image .* save it with 8 bits a channel"):
+        images.prepare(_empty(tmp_path / "a"), tmp_path, DataConfig(seed=1))
+    wide.unlink()
+    assert "(12 images, 3 classes)" in images.prepare(_empty(tmp_path / "b"), tmp_path, DataConfig(seed=1))
+    with pytest.raises(DataError, match="no such folder"):
+        workload(tmp_path / "nothing").prepare(_empty(tmp_path / "c"), tmp_path, DataConfig(seed=1))
+
+
+def _empty(folder: Path) -> Path:
+    folder.mkdir()
+    return folder
 
 
 PARAMS = {**SMALL, "data": {"seed": 3},
@@ -179,8 +214,26 @@ def test_sync_batchnorm_is_refused_where_ddp_would_train_on_the_cpu_and_is_part_
     model = ImageFolderClassifier("unused", classes=3, image_size=16, channels=1, norm="batch").build_model()
     with pytest.raises(ConfigError, match="train.sync_batchnorm"):  # a Slurm node without GPUs: the rank says so
         wrap(model, "ddp", CPU, sync_batchnorm=True)
+    with pytest.raises(ConfigError, match="train.sync_batchnorm is true with train.grad_accum_steps = 2"):
+        check_every_mode(dataclasses.replace(synced, grad_accum_steps=2, device="cuda"))
+    # ddp's alone: a single or dp checkpoint goes on whatever it says.
+    assert trajectory(synced, "single") == trajectory(train_config(16), "single")
     # A checkpoint trained without it is not continued with it; one from before the setting was without it.
     plain = trajectory(train_config(16), "ddp")
     assert settings_changed({"trajectory": plain}, trajectory(synced, "ddp")) == "sync_batchnorm: False -> True"
     before = {key: value for key, value in plain.items() if key != "sync_batchnorm"}
     assert settings_changed({"trajectory": before}, plain) == ""
+
+
+@pytest.mark.fast
+def test_the_warm_up_backward_leaves_batch_norms_statistics_as_they_were():
+    """settle_gradient_buckets runs one forward in training mode on every DDP rank, fresh or
+    resumed; batch norm's running statistics must not move with it, or ddp's would differ from
+    single's, and a resumed training from an uninterrupted one."""
+    model = load_workload(resnet("batch")).build_model()
+    data = small_images(8, 0)
+    before = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    settle_gradient_buckets(model, data)
+    assert all(torch.equal(buffer, before[name]) for name, buffer in model.named_buffers())
+    model(data.sample_input())  # what it would have left: a forward in training mode moves them
+    assert not torch.equal(dict(model.named_buffers())["stem.1.running_mean"], before["stem.1.running_mean"])

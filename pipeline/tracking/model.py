@@ -69,13 +69,18 @@ def _own_workload(class_path: str | None) -> dict:
     """For a workload of the project's own (workloads.*), its package logged with the model, and its
     class path in the model's config: `mlflow.pyfunc.load_model`, which runs the model's code, builds
     it anywhere, with the package installed and without the project. The package's: nothing."""
-    import sys
+    import importlib
 
     from pipeline.workloads import PACKAGE
 
     if not class_path or class_path.startswith(PACKAGE):
         return {}
-    package = Path(sys.modules[class_path.split(".")[0]].__file__).parent  # imported by build_from_weights
+    top = class_path.split(".")[0]
+    try:  # a folder with an __init__.py or without one (a namespace package): its __path__ either way
+        package = Path(next(iter(importlib.import_module(top).__path__)))
+    except (ImportError, AttributeError, StopIteration) as exc:
+        raise PipelineError(f"workload.class_path = {class_path!r}: {top} is not a package whose folder can go "
+                            f"with the MLflow model ({type(exc).__name__}: {exc})") from None
     return {"code_paths": [str(package)], "model_config": {"workload": class_path}}
 
 

@@ -23,6 +23,7 @@ import hashlib
 import io
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -78,13 +79,13 @@ class ImageFolderClassifier(Workload):
 
     # Its data.
     def prepare(self, out: Path, raw: Path, data: DataConfig) -> str:
-        from torchvision.datasets import ImageFolder
-
+        if not self.root.is_dir():
+            raise DataError(f"{self.root}: no such folder; set workload.init_args.root to a folder of class folders "
+                            "(root/<class>/<image>), relative to the project")
         try:
-            found = ImageFolder(str(self.root), allow_empty=False)
-        except (FileNotFoundError, NotADirectoryError) as exc:
-            raise DataError(f"{self.root}: {exc}; set workload.init_args.root to a folder of class folders "
-                            "(root/<class>/<image>), relative to the project") from None
+            found = _ImageFolder(str(self.root), allow_empty=False)
+        except (FileNotFoundError, NotADirectoryError) as exc:  # no class folder, or one without an image
+            raise DataError(f"{self.root}: {exc}") from None
         if len(found.classes) != self.classes:
             raise DataError(f"{self.root}: {len(found.classes)} class folders ({', '.join(found.classes[:12])}), "
                             f"not workload.init_args.classes = {self.classes}; make them agree")
@@ -155,10 +156,16 @@ class ImageFolderClassifier(Workload):
     def _read(self, path: Path) -> tuple[torch.Tensor, bytes]:
         from PIL import Image, UnidentifiedImageError
 
+        from PIL import ImageOps
+
         raw_bytes = path.read_bytes()
         try:
             with Image.open(io.BytesIO(raw_bytes)) as opened:
-                image = opened.convert(_mode(self.channels))
+                if opened.mode in WIDE_MODES:  # Pillow's convert would clip them, not scale them
+                    raise DataError(f"{path}: a {WIDE_MODES[opened.mode]} image (Pillow mode {opened.mode}); save it "
+                                    "with 8 bits a channel (PNG or JPEG)")
+                # As a viewer shows it: a phone's photo turned by its EXIF orientation.
+                image = ImageOps.exif_transpose(opened).convert(_mode(self.channels))
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             reason = "no image format Pillow knows" if isinstance(exc, UnidentifiedImageError) else str(exc)
             raise DataError(f"{path}: not an image Pillow reads ({reason}); remove it, or save it as PNG or "
@@ -174,6 +181,26 @@ class ImageFolderClassifier(Workload):
         if self.flip:
             steps.append(v2.RandomHorizontalFlip())
         return v2.Compose(steps)
+
+
+# Pillow modes of more than 8 bits a channel, which prepare does not scale down.
+WIDE_MODES = {"I;16": "16-bit", "I;16B": "16-bit", "I;16L": "16-bit", "I;16N": "16-bit", "I": "32-bit integer",
+              "F": "32-bit float"}
+
+
+def _ImageFolder(root: str, allow_empty: bool):
+    """torchvision's ImageFolder, but a hidden folder (.ipynb_checkpoints, .git) is no class."""
+    from torchvision.datasets import ImageFolder
+
+    class Visible(ImageFolder):
+        def find_classes(self, directory):
+            classes = sorted(entry.name for entry in os.scandir(directory)
+                             if entry.is_dir() and not entry.name.startswith("."))
+            if not classes:
+                raise FileNotFoundError(f"no class folder in {directory} (root/<class>/<image>)")
+            return classes, {name: i for i, name in enumerate(classes)}
+
+    return Visible(root, allow_empty=allow_empty)
 
 
 def _mode(channels: int) -> str:
