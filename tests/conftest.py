@@ -27,6 +27,12 @@ PROJECT_FILES = ("pipeline", "stages", "workloads", "deploy", "dvc.yaml", "param
                  ".dvc/config", ".dvc/plots")
 
 
+# MNIST_SOURCE as a user sets it for `make test`, relative to the checkout, made absolute: the tests
+# run stages in projects of their own, elsewhere, which inherit it (and every process they start).
+if os.environ.get("MNIST_SOURCE"):
+    os.environ["MNIST_SOURCE"] = str(Path(os.environ["MNIST_SOURCE"]).resolve())
+
+
 def find_mnist(environ: dict[str, str]) -> Path:
     """Real MNIST for the tests: MNIST_SOURCE when set (as on a GPU host, where `make gpu-check`
     runs them), else the shared folder beside the repo; the four IDX files raw or gzipped, as
