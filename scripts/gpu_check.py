@@ -63,6 +63,8 @@ MECHANISMS = [
     ("the driver floor (CUDA 13.0 wheels: driver 580 or newer)", "the first lines: an older driver fails here"),
     ("GPUs these wheels have kernels for (compute capability)", "the first lines: sm_70 and older fail here"),
     ("the driver version read from /proc/driver/nvidia/version", "test_the_driver_version_is_recorded_as_the_driver_says"),
+    ("train.sync_batchnorm: SyncBatchNorm over NCCL (two GPUs at least)",
+     "test_sync_batchnorm_makes_a_batchnorm_model_on_every_gpu_agree_with_single"),
     ("DDP's comm timer on NCCL: its cost a step, kept out of the step times", HOOK_COST),
 ]
 
