@@ -89,11 +89,17 @@ def pytest_configure(config) -> None:
 
 # The files that take longest, first: `make test` hands a file at a time to each worker
 # (pytest-xdist's --dist loadfile, --no-loadscope-reorder), so a long file started last would end
-# the run alone. Measured with `pytest --durations=0` on 2 cores; the rest keep their order.
-LONGEST_FIRST = ("test_multinode", "test_warm", "test_dvc_pipeline", "test_reproduce", "test_tracking",
-                 "test_readme", "test_fast_tier", "test_start_checks", "test_train_modes", "test_tracking_outage",
-                 "test_faults", "test_commcheck", "test_shaped_links", "test_dvc_experiments_tracking",
-                 "test_full_mnist")
+# the run alone (at 0cccd97 test_workloads.py, collected last, ran 165 s after the other worker
+# had ended). Ordered by each file's wall seconds in the workers' run (MNP_TEST_TIMELINE,
+# benchmarks/timeline.py), then the fast tier's longest (`make test-fast` keeps this order too); the
+# rest, under 60 s each, keep their order.
+LONGEST_FIRST = ("test_multinode", "test_reproduce", "test_readme", "test_warm", "test_train_modes", "test_full_mnist",
+                 "test_dvc_pipeline", "test_start_checks", "test_tracking", "test_workloads", "test_faults",
+                 "test_commcheck", "test_dvc_experiments_tracking", "test_image_workload", "test_tracking_outage",
+                 "test_repro_restart", "test_failure_modes", "test_step_checkpoints", "test_killed_rank",
+                 "test_breakdown", "test_preemption", "test_uneven_shares", "test_forkserver", "test_launchers",
+                 "test_scaling_curve", "test_devices", "test_security", "test_tracking_helper", "test_spread",
+                 "test_fast_tier")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

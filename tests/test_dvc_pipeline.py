@@ -26,7 +26,7 @@ MODES = ("single", "dp", "ddp")
 def repro(tmp_path_factory, mnist_dir):
     project = make_project(tmp_path_factory.mktemp("dvc") / "proj", SMALL)
     env = project_env(project, MNIST_SOURCE=str(mnist_dir))
-    result = run(["dvc", "repro"], project, **env)
+    result = run(["dvc", "repro"], project, **env, MNIST_PIPELINE_DEBUG="1")  # each client says where it ran
     return project, env, result
 
 
@@ -37,6 +37,9 @@ def test_repro_runs_every_stage(repro):
     stages = ["prepare", "commcheck", *(f"train@{m}" for m in MODES), "evaluate", "compare"]
     for stage in stages:
         assert result.stdout.count(f"Running stage '{stage}'") == 1, stage
+    # Every stage after prepare ran as a fork of one warm server (pipeline/runtime/warm.py).
+    servers = re.findall(r"a fork of the warm server \(process (\d+)\)", result.stderr)
+    assert len(servers) == len(stages) - 1 and len(set(servers)) == 1, result.stderr[-3000:]
     for mode in MODES:
         assert (project / "models" / mode / "model.pt").is_file()
         assert json.loads((project / "results/train" / f"{mode}.json").read_text())["epochs"] == 2

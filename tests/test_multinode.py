@@ -317,7 +317,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+# A requeued job waits out a step credential's lifetime before it starts again (slurm.conf(5),
+# cred_expire: 120 s by default); 30 s still leaves a slow day's step launch its credential.
+AuthInfo=socket={munge_socket},cred_expire=30
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none

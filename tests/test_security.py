@@ -106,12 +106,14 @@ def test_send_runs_sends_to_the_current_store_and_says_so_when_the_runs_are_not_
     assert "sent 2 kept tracking calls" in sent.stdout and not folder.exists()
     assert client.get_run(run_id).info.status == "FINISHED" and client.get_run(run_id).data.metrics == {"m": 1.0}
 
-    kept_outbox(project, [{"op": "end", "run": RUN, "status": "FINISHED"}], run_ids=(RUN,))  # of another store
+    folder = kept_outbox(project, [{"op": "end", "run": RUN, "status": "FINISHED"}], run_ids=(RUN,))  # of another store
+    kept = {path.name: path.read_bytes() for path in folder.iterdir()}
     env = project_env(project, MLFLOW_TRACKING_URI=store)
-    for _ in range(2):  # the same clear message each time, never a traceback
-        result = run(["mnist-pipeline", "send-runs", "--mode", "single"], project, check=False, **env)
-        assert result.returncode == 1 and "rank-0.jsonl:1: its run is not in the tracking store" in result.stderr, result.stderr
-        assert "--discard" in result.stderr and "Traceback" not in result.stderr
+    result = run(["mnist-pipeline", "send-runs", "--mode", "single"], project, check=False, **env)
+    assert result.returncode == 1 and "rank-0.jsonl:1: its run is not in the tracking store" in result.stderr, result.stderr
+    assert "--discard" in result.stderr and "Traceback" not in result.stderr
+    # The refusal keeps the outbox as it was: the next try says the same, until --discard.
+    assert {path.name: path.read_bytes() for path in folder.iterdir()} == kept
     dropped = run(["mnist-pipeline", "send-runs", "--mode", "single", "--discard"], project, **env)
     assert "dropped 1 kept tracking calls" in dropped.stdout
     assert not (project / "models/single/tracking-outbox").exists()
