@@ -337,6 +337,45 @@ def test_a_teams_workload_outside_the_package_trains_in_every_mode_and_is_evalua
     assert kept() == before
 
 
+def test_a_model_sent_after_its_workload_was_edited_leaves_the_package_out_and_says_so(tmp_path):
+    """An outage kept the model's call, and the team edited its workload before `send-runs` sent
+    it: the package as it is now is not what trained, so the MLflow model goes without it, and the
+    command and the run say why. (Unedited, the model brings it: the test above.)"""
+    import mlflow
+
+    from pipeline.atomic import save_torch
+
+    class_path = "workloads.teamwork.Mlp"
+    project = make_project(tmp_path / "proj", {"workload": {"class_path": class_path, "init_args": {"hidden": 8}}})
+    source = project / "workloads/teamwork.py"
+    source.write_text(textwrap.dedent(TEAM))
+    mode_dir, store = project / "models/single", f"sqlite:///{tmp_path / 'mlflow.db'}"
+    outbox = mode_dir / "tracking-outbox"
+    outbox.mkdir(parents=True)
+    network = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8), nn.ReLU(), nn.Linear(8, 10))  # Mlp(hidden=8)'s
+    save_torch(mode_dir / "model.pt", {"state_dict": network.state_dict(),
+                                       "workload": {"class_path": class_path, "init_args": {"hidden": 8}}})
+    client = mlflow.MlflowClient(store)
+    experiment = client.create_experiment("e", artifact_location=(tmp_path / "a").as_uri())
+    # The parent run as its training started it, with the code's digest then.
+    started = record.code_digest(record.code_folders_in(project))
+    run_id = client.create_run(experiment, tags={"code_sha256": started}).info.run_id
+    (mode_dir / "mlflow_run.json").write_text(json.dumps({"experiment_id": experiment, "parent": run_id,
+                                                          "children": {}}))
+    op = {"op": "model", "run": run_id, "file": str(mode_dir / "model.pt"), "mode": "single",
+          "example": torch.zeros(2, 1, 28, 28).tolist(), "registered": None, "workload": class_path}
+    (outbox / "rank-0.jsonl").write_text(json.dumps(op) + "\n")
+    source.write_text(source.read_text() + "\nEDITED_AFTER_TRAINING = True\n")  # before the store is back
+    sent = run(["mnist-pipeline", "send-runs", "--mode", "single", "--to", store], project, **project_env(project))
+    assert "sent 1 kept tracking calls" in sent.stdout, sent.stdout + sent.stderr
+    said = client.get_run(run_id).data.tags["model_code"]
+    assert f"code_sha256 {started[:12]} then" in said and "without the workload's package" in said, said
+    assert "the project's code changed after its training" in sent.stderr, sent.stderr
+    (model,) = client.search_logged_models([experiment])  # MLflow 3: a run's model is a logged model
+    logged = Path(mlflow.artifacts.download_artifacts(artifact_uri=model.artifact_location, dst_path=tmp_path / "got"))
+    assert (logged / "MLmodel").is_file() and not (logged / "code").exists()
+
+
 def test_a_teams_own_data_is_prepared_trained_and_evaluated_by_the_stages(tmp_path):
     """examples/workloads/table.py, copied into a project as its docs say: a regression on a CSV
     file, its own prepare (the file checked, split, standardised) and split, MSE, and metrics that

@@ -36,10 +36,17 @@ def log_model(client, uri: str, op: dict) -> None:
     mlflow.set_tracking_uri(uri)
     # Into the run's experiment, by run id: mlflow.start_run(run_id=...) would set the run
     # RUNNING, then FINISHED on the way out, whatever status the training ended it with.
-    mlflow.set_experiment(experiment_id=client.get_run(op["run"]).info.experiment_id)
+    run = client.get_run(op["run"])
+    mlflow.set_experiment(experiment_id=run.info.experiment_id)
     registered = op.get("registered")
     code = mlflow_model.__file__
     own = _own_workload(op.get("workload"))
+    # The model's code is the project's as it is now: after an outage, send-runs may log it hours
+    # later, from files edited since. A project workload's package then stays out of it.
+    changed = _code_changed_since(run, own)
+    if changed:
+        own = {}
+        log.warning("%s", changed)
     with _requirements_known_met():
         info = Model.log(
             None,  # artifact_path, which MLflow 3 replaced by name
@@ -58,11 +65,27 @@ def log_model(client, uri: str, op: dict) -> None:
         )
     # The weights as logged, by content: what `mnist-pipeline reproduce` compares a re-made run's with.
     client.set_tag(op["run"], "weights_sha256", record.saved_weights_digest(path))
+    if changed:
+        client.set_tag(op["run"], "model_code", changed)
     if registered:  # the mode names its version: models:/<name>@<mode> is what that mode trained
         version = str(info.registered_model_version)
         client.set_registered_model_alias(registered, op["mode"], version)
         for key, value in {"mode": op["mode"], "run_id": op["run"], **git_facts()}.items():
             client.set_model_version_tag(registered, version, key, value)
+
+
+def _code_changed_since(run, own: dict) -> str | None:
+    """What a model logged now would not hold of the code that trained `run` (its code_sha256,
+    recorded when the training started), or None: the same code."""
+    trained, now = run.data.tags.get("code_sha256"), record.code_digest()
+    if not trained or trained == now:
+        return None
+    said = f"run {run.info.run_id}: the project's code changed after its training (code_sha256 {trained[:12]} then, " \
+           f"{now[:12]} now), so its MLflow model is logged "
+    if own:
+        return said + "without the workload's package, which is not what trained it: load the model in a checkout " \
+                      "of the training's commit (`mnist-pipeline reproduce` re-makes it)"
+    return said + "with this package's model code as it is now"
 
 
 def _own_workload(class_path: str | None) -> dict:
