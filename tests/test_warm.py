@@ -149,7 +149,8 @@ def test_a_dvc_repro_runs_every_stage_but_the_first_in_one_server(tmp_path, mnis
         while alive(int(server)) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not alive(int(server)) and not servers_for(project)
-        assert re.findall(r"Running stage '([^']+)'", done.stdout) == ["prepare", "commcheck", "train@ddp", "evaluate", "compare"]
+        stages = re.findall(r"Running stage '([^']+)'", done.stdout)
+        assert stages == ["prepare", "commcheck", "train@ddp", "evaluate", "compare"], stages
         assert (project / "models/ddp/model.pt").is_file() and (project / "reports/comparison.md").is_file()
     finally:
         stop_servers(project)

@@ -369,7 +369,10 @@ def test_a_model_sent_after_its_workload_was_edited_leaves_the_package_out_and_s
     sent = run(["mnist-pipeline", "send-runs", "--mode", "single", "--to", store], project, **project_env(project))
     assert "sent 1 kept tracking calls" in sent.stdout, sent.stdout + sent.stderr
     said = client.get_run(run_id).data.tags["model_code"]
-    assert f"code_sha256 {started[:12]} then" in said and "without the workload's package" in said, said
+    # The digests of the copy's code (send-runs imports the project's, not this checkout's): at the
+    # start, then after the edit.
+    now = record.code_digest(record.code_folders_in(project))
+    assert f"code_sha256 {started[:12]} then, {now[:12]} now" in said and "without the workload's package" in said, said
     assert "the project's code changed after its training" in sent.stderr, sent.stderr
     (model,) = client.search_logged_models([experiment])  # MLflow 3: a run's model is a logged model
     logged = Path(mlflow.artifacts.download_artifacts(artifact_uri=model.artifact_location, dst_path=tmp_path / "got"))
