@@ -18,7 +18,15 @@ import yaml
 
 from pipeline.errors import ConfigError
 
-MODES = ("single", "dp", "ddp")
+MODES = ("single", "dp", "ddp", "fsdp")
+DEFAULT_MODES = MODES[:3]  # what params.yaml trains: fsdp is asked for (docs/ddp.md)
+# The modes that train in several processes, one per device, each a rank of one process group:
+# DistributedDataParallel's copies of the model, and FSDP2's shards of it (fully_shard).
+DISTRIBUTED = ("ddp", "fsdp")
+
+
+def distributed(mode: str | None) -> bool:
+    return mode in DISTRIBUTED
 LAUNCHERS = ("local", "slurm")
 DEVICES = ("auto", "cuda", "cpu")
 OPTIMIZERS = ("adam", "adamw", "sgd")  # built by pipeline.optim
@@ -64,7 +72,7 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     modes: tuple[str, ...] = field(
-        default=MODES,
+        default=DEFAULT_MODES,
         metadata=_rule(lambda v: len(v) > 0 and set(v) <= set(MODES), f"a non-empty list of {MODES}"),
     )
     epochs: int = field(default=1, metadata=_at_least(1))

@@ -47,7 +47,10 @@ from pipeline.parallel import (
     broadcast_object,
     dp_device_count,
     check_world_size,
+    full_state_dict,
+    gradient_sync_held,
     restarted,
+    sharded,
     unwrap,
     wrap,
 )
@@ -137,9 +140,31 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def weight_checksum(module: nn.Module) -> float:
-    """A position-sensitive float64 fingerprint of the weights: equal on ranks that are in sync."""
-    flat = torch.cat([p.detach().double().flatten().cpu() for p in module.parameters()])
+    """A position-sensitive float64 fingerprint of the weights: equal on ranks that are in sync
+    (fsdp's whole weights, gathered: a collective then)."""
+    flat = torch.cat([p.detach().double().flatten().cpu() for p in full_parameters(module)])
     return float((flat * torch.linspace(1.0, 2.0, len(flat), dtype=torch.float64)).sum())
+
+
+def full_parameters(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters as whole tensors: fsdp's shards gathered (every rank calls it, in order)."""
+    from torch.distributed.tensor import DTensor
+
+    return [p.full_tensor() if isinstance(p, DTensor) else p for p in module.parameters()]
+
+
+def state_mb(wrapped: nn.Module, optimizer) -> float:
+    """This rank's tensor bytes, in MiB, of its parameters, gradients and optimizer state: all of
+    each in ddp (a whole copy on every rank), 1/W of each in fsdp (its shards: what sharding buys)."""
+    from torch.distributed.tensor import DTensor
+
+    def nbytes(tensor: torch.Tensor) -> int:
+        return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
+
+    parameters = list(wrapped.parameters())
+    total = sum(nbytes(p) + (nbytes(p.grad) if p.grad is not None else 0) for p in parameters)
+    total += sum(nbytes(value) for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value))
+    return total / 2**20
 
 
 def zero_scores(names: list[str], device: torch.device) -> dict[str, torch.Tensor]:
@@ -164,18 +189,20 @@ def stacked(sums: dict[str, torch.Tensor], names: list[str], device: torch.devic
 @torch.no_grad()
 def evaluate(module: nn.Module, data: Data, indices: torch.Tensor, batch_size: int,
              device: torch.device | None = None, workload: Workload | None = None,
-             names: list[str] | None = None) -> dict[str, torch.Tensor]:
+             names: list[str] | None = None, batches: int | None = None) -> dict[str, torch.Tensor]:
     """Sums over `indices` of the workload's evaluation loss ("loss"), of each of its metrics, and
     the count ("count"), float64, on `device` (by default the in-memory data's), in that order: the
     same names on every rank, those with no sample to score included, ready for one all_reduce.
-    `names`: the metrics' (score_names; by default read here)."""
+    `names`: the metrics' (score_names; by default read here). `batches`: in that many batches of
+    at most `batch_size` (fsdp: every rank must run as many forwards, each gathers the weights)."""
     workload = workload or default_workload()
     device = device or data.index_device
     scores = zero_scores(names if names is not None else score_names(workload, module, device), device)
     loss, count = (torch.zeros((), dtype=torch.float64, device=device) for _ in range(2))
     was_training = module.training
     module.eval()
-    for inputs, targets in data.feed(indices.to(data.index_device).split(batch_size)):
+    indices = indices.to(data.index_device)
+    for inputs, targets in data.feed(indices.split(batch_size) if batches is None else indices.tensor_split(batches)):
         outputs = module(inputs).float()  # in float32 whatever the autocast: what the loss and scores read
         loss += workload.eval_loss(outputs, targets)
         add_scores(scores, workload.metrics(outputs, targets))
@@ -322,8 +349,6 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
         clipped.copy_(partial["clipped"])
         losses[:start] = partial["losses"].to(device)
         shares = list(partial["shares"])
-    # Only DDP communicates in the backward; DataParallel and one device have nothing to hold back.
-    hold_back = wrapped.no_sync if isinstance(wrapped, nn.parallel.DistributedDataParallel) else nullcontext
     pause = pause_asked()
     wrapped.train()
     # Each step's micro-batches of this rank's share, all decided now: a DataLoader reads ahead.
@@ -337,7 +362,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
         step_losses = None  # the share's summed loss
         for j, (inputs, targets) in enumerate(parts):
             last = j == len(parts) - 1
-            with nullcontext() if last else hold_back():
+            with nullcontext() if last else gradient_sync_held(wrapped):
                 outputs = wrapped(inputs)  # in the configured precision: the model enters autocast itself
                 loss, sample_losses = share_loss(outputs, targets, len(batch), rank.world_size, workload.loss)
                 if j == 0:
@@ -351,7 +376,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
         if scaler is not None:
             scaler.unscale_(optimizer)  # the true gradient, for clipping (an overflow leaves inf: not stepped)
         if max_grad_norm:  # torch scales the gradient where norm + 1e-6 > max_grad_norm: counted alike
-            norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm)
+            norm = clip_gradient(wrapped, max_grad_norm)
             over = norm + 1e-6 > max_grad_norm
             if scaler is not None:  # fp16's overflowed step has an infinite norm: skipped, not clipped
                 over &= norm.isfinite()
@@ -376,6 +401,16 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the epoch's time must include its queued kernels
     return loss_sum, scores, losses, clipped, shares
+
+
+def clip_gradient(wrapped: nn.Module, max_grad_norm: float) -> torch.Tensor:
+    """torch's clip_grad_norm_, which takes fsdp's sharded gradients as they are: its norm of
+    DTensors sums the shards' squares over the ranks, so every rank scales its shards by the whole
+    gradient's norm (tests/test_fsdp.py), returned here as a plain tensor, the same on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), max_grad_norm)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 LOSS_WINDOWS_PER_EPOCH = 20
@@ -424,14 +459,21 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
         # The stage refused this before changing anything (train's pick_up); a worker's own disk may
         # still hold a checkpoint of another length.
         check_schedule_length(state, config.epochs * steps, run.out_dir / CHECKPOINT_FILE)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
+        model.load_state_dict(state["model"])  # fsdp's too: whole weights, sharded as they are wrapped
+        if run.mode != "fsdp":
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
         if scaler is not None:  # fp16 is a trajectory key: its checkpoints hold the scale
             scaler.load_state_dict(state["scaler"])
         start_epoch, history = state["epoch"], state["history"]
         partial = in_epoch_part(state, rank, run.out_dir / CHECKPOINT_FILE)
     wrapped = wrap_for_mode(model, config, device, run.mode)
+    if run.mode == "fsdp":  # sharding made new parameters: the optimizer steps those, each rank its shards
+        optimizer = build_optimizer(wrapped.parameters(), config)
+        scheduler = build_schedule(optimizer, config, config.epochs * steps)
+        if run.resume_state is not None:
+            load_sharded_optimizer(wrapped, optimizer, run.resume_state["optimizer"])
+            scheduler.load_state_dict(run.resume_state["scheduler"])
     # The step's phases (on every step on the CPU); its communication, and a trace, on a window of
     # the last epoch.
     probe = Probe(device, window=config.breakdown_steps, trace_steps=config.trace_steps,
@@ -443,6 +485,9 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
 
     # Validation is dealt out as the training batches are: every W-th image from rank r's position.
     val_indices = torch.arange(rank.rank, len(val_split), rank.world_size)
+    # fsdp gathers the weights in each forward, so every rank runs as many: as many as the longest share needs.
+    val_batches = math.ceil(math.ceil(len(val_split) / rank.world_size) / config.eval_batch_size) \
+        if run.mode == "fsdp" else None
     # The devices whose peak memory is reported: DataParallel's GPUs, or this rank's device.
     memory_devices = list(range(dp_device_count(device))) if run.mode == "dp" else [device.index]
     show_bar = rank.is_main and sys.stderr.isatty()
@@ -476,7 +521,7 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
                 workload=workload, names=names, max_grad_norm=config.max_grad_norm,
                 grad_accum_steps=config.grad_accum_steps, partial=resumed, scaler=scaler, device=device,
                 epoch=epoch,
-                after_step=step_checkpoints(run, model, optimizer, scheduler, scaler, history, epoch, steps,
+                after_step=step_checkpoints(run, model, wrapped, optimizer, scheduler, scaler, history, epoch, steps,
                                             lambda: rng_states(rng_devices), started - carried_s, notice))
             train_wall = time.perf_counter() - started + carried_s
             host_record = host.finish()
@@ -498,7 +543,8 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
             train_sums, train_scores, step_sums = sums[:3], sums[3:3 + len(names)], sums[3 + len(names):].tolist()
             losses = losses.tolist()  # one copy per epoch
             check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
-            val = evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size, device, workload, names)
+            val = evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size, device, workload, names,
+                           val_batches)
             val_sums = dict(zip(val, all_sum(stacked(val, list(val), device), rank)))  # [loss, *names, count], as before
             epoch_time = time.perf_counter() - started + carried_s
             breakdown = probe.results()  # before the clock's totals, which clear its marks
@@ -506,9 +552,9 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
                 breakdown["timeline"] = timeline(probe.trace_file, rank.rank)
             # One exchange per epoch: every rank's times, its step breakdown, and its weights' checksum
             # to prove they agree.
-            walls, overheads, steady_walls, epoch_times, checksums, breakdowns, hosts = zip(*all_gather_objects(
-                (train_wall, probe.overhead_s, steady_wall, epoch_time, weight_checksum(model), breakdown, host_record),
-                rank))
+            walls, overheads, steady_walls, epoch_times, checksums, breakdowns, hosts, states = zip(*all_gather_objects(
+                (train_wall, probe.overhead_s, steady_wall, epoch_time, weight_checksum(model), breakdown, host_record,
+                 state_mb(wrapped, optimizer)), rank))
             if len(set(checksums)) > 1:
                 raise RuntimeError(f"ranks out of sync after epoch {epoch + 1}: weight checksums per rank {checksums}")
             waited = probe.traced and probe.trace_start + probe.traced < steps
@@ -540,6 +586,8 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
                 "loss_windows": loss_windows(step_sums, [len(b) for b in global_batches(order, config.batch_size)],
                                              first_step),
                 "rank_weight_checksums": list(checksums),
+                # Each rank's parameters, gradients and optimizer state, in MiB (state_mb).
+                "rank_state_mb": list(states),
             }
             if scaler is not None:  # fp16's loss scale at the epoch's end: halved by each overflow
                 metrics["loss_scale"] = scaler.get_scale()
@@ -556,6 +604,7 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
                 **probe.clock.totals(),
                 **({f"step_{key}_s": value for key, value in breakdown["median_s"].items()} if breakdown else {}),
                 "peak_memory_mb": peak_memory_mb(device),
+                "state_mb": states[rank.rank],
                 "weight_checksum": checksums[rank.rank],
                 # A step in which this rank had no sample has no loss of its own to show.
                 "step_losses": [(first_step + i, value / shares[i]) for i, value in enumerate(losses)
@@ -563,18 +612,23 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
                                 and shares[i]],
             }
             history.append(metrics)
+            state = checkpoint_state(model, wrapped, optimizer, scheduler, scaler, epoch + 1, history, config, run)
             if rank.is_main:
                 report_epoch(run.mode, config.epochs, metrics)
-                save_torch(checkpoint_path,
-                           checkpoint_state(model, optimizer, scheduler, scaler, epoch + 1, history, config, run))
+                save_torch(checkpoint_path, state)
             for hook in run.epoch_hooks:
                 hook(metrics, rank_metrics)
             crash_if_asked(epoch + 1)
+    if run.mode == "fsdp":  # what the stage saves and logs: the whole model, as every other mode's
+        whole = workload.build_model().to(device)
+        whole.load_state_dict(full_state_dict(model))
+        return whole, history
     return model, history
 
 
-def step_checkpoints(run: Training, model: nn.Module, optimizer, scheduler, scaler, history: list[dict], epoch: int,
-                     steps: int, rng: Callable[[], dict], started: float, notice: Notice | None) -> Callable | None:
+def step_checkpoints(run: Training, model: nn.Module, wrapped: nn.Module, optimizer, scheduler, scaler,
+                     history: list[dict], epoch: int, steps: int, rng: Callable[[], dict], started: float,
+                     notice: Notice | None) -> Callable | None:
     """run_epoch's `after_step` under train.checkpoint_every_steps (None when 0): every N global steps
     but an epoch's last (its own checkpoint follows), and after the step every rank agreed to stop at
     on a preemption notice, every rank's part of the epoch so far goes into the checkpoint rank 0
@@ -589,10 +643,10 @@ def step_checkpoints(run: Training, model: nn.Module, optimizer, scheduler, scal
         if not stop and (done % every or i + 1 == steps):
             return
         parts = all_gather_objects(in_epoch_sums(i + 1, *sums, rng=rng(), wall_s=time.perf_counter() - started), rank)
+        state = checkpoint_state(model, wrapped, optimizer, scheduler, scaler, epoch, history, run.config, run)
         if rank.is_main:
             save_torch(run.out_dir / CHECKPOINT_FILE,
-                       {**checkpoint_state(model, optimizer, scheduler, scaler, epoch, history, run.config, run),
-                        "in_epoch": {"world_size": rank.world_size, "ranks": parts}})
+                       {**state, "in_epoch": {"world_size": rank.world_size, "ranks": parts}})
         broadcast_object(None, rank)  # no rank steps on (or is stopped) before the file is whole
         if stop:  # ends as the signal would have ended it, but a step later, with nothing lost
             if rank.is_main:
@@ -606,11 +660,14 @@ def step_checkpoints(run: Training, model: nn.Module, optimizer, scheduler, scal
     return after_step
 
 
-def checkpoint_state(model: nn.Module, optimizer, scheduler, scaler, epochs_done: int, history: list[dict],
-                     config: TrainConfig, run: Training) -> dict[str, Any]:
+def checkpoint_state(model: nn.Module, wrapped: nn.Module, optimizer, scheduler, scaler, epochs_done: int,
+                     history: list[dict], config: TrainConfig, run: Training) -> dict[str, Any]:
+    """What a checkpoint holds, made on every rank (fsdp's gathers its shards: a collective) and
+    written by rank 0: the whole model and optimizer state, whatever the mode."""
     return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": full_state_dict(model),
+        "optimizer": (optimizer.state_dict() if not sharded(wrapped) else
+                      whole_optimizer_state(wrapped, optimizer)),
         "scheduler": scheduler.state_dict(),
         **({"scaler": scaler.state_dict()} if scaler is not None else {}),
         "epoch": epochs_done,
@@ -618,6 +675,20 @@ def checkpoint_state(model: nn.Module, optimizer, scheduler, scaler, epochs_done
         "trajectory": trajectory(config, run.mode, run.workload),
         "extra": run.extra_state,
     }
+
+
+def whole_optimizer_state(wrapped: nn.Module, optimizer) -> dict[str, Any]:
+    """fsdp's optimizer state gathered whole (keyed by parameter names), on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(wrapped, optimizer, options=StateDictOptions(full_state_dict=True))
+
+
+def load_sharded_optimizer(wrapped: nn.Module, optimizer, whole: dict[str, Any]) -> None:
+    """whole_optimizer_state's inverse: each rank keeps its shards of the saved state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(wrapped, optimizer, whole, options=StateDictOptions(full_state_dict=True))
 
 
 def in_epoch_sums(step: int, loss_sum: torch.Tensor, scores: dict[str, torch.Tensor], clipped: torch.Tensor,

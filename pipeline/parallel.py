@@ -1,5 +1,5 @@
 """Everything about parallelism in one place: devices, rank identity, the process group, wrapping
-a model per mode, and launching DDP workers through torchrun's own machinery."""
+a model per mode, and launching DDP's and FSDP's workers through torchrun's own machinery."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from torch import nn
 
 from pipeline import gpus
 from pipeline.runtime import forkserver
+from pipeline.config import DISTRIBUTED, distributed  # noqa: F401 (distributed: the modes' test, here too)
 from pipeline.errors import ConfigError, PipelineError
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ def small_shm(local_ranks: int, path: str = "/dev/shm") -> str | None:
 
 
 def ddp_layout(train) -> tuple[int, int]:
-    """(workers per node, nodes) of the DDP training that `train` (config.TrainConfig) starts. Under
+    """(workers per node, nodes) of the DDP (or FSDP) training that `train` (config.TrainConfig) starts. Under
     Slurm with train.nproc 0 the job decides (train.sbatch: the GPUs Slurm gave a node, else 1):
     1 here, the fewest it can be, so the checks before the job are a lower bound."""
     workers = train.nproc or (1 if train.launcher == "slurm" else default_nproc(train.device))
@@ -209,22 +210,30 @@ def check_every_mode(train, mode: str | None = None) -> None:
     """What would fail a later mode fails before the first training (commcheck, then every train
     stage): found in seconds, not after the modes before it trained for hours. `mode`: the one
     about to train, checked whether train.modes lists it or not (`train --mode ddp` by hand)."""
-    if "ddp" in train.modes or mode == "ddp":
-        workers, nodes = ddp_layout(train)
-        try:
-            check_world_size(train.batch_size, workers * nodes, train.grad_accum_steps)
-        except ConfigError as exc:
-            raise ConfigError(f"ddp{' (in train.modes)' if 'ddp' in train.modes else ''}: {exc}") from None
-        if train.sync_batchnorm and train.grad_accum_steps > 1:
-            # SyncBatchNorm meets the other ranks in every micro-batch's forward and backward, and a
-            # short last batch can give the ranks different numbers of them (micro_batches drops
-            # empty ones): the ranks would wait on each other for good.
-            raise ConfigError("train.sync_batchnorm is true with train.grad_accum_steps = "
-                              f"{train.grad_accum_steps}: SyncBatchNorm needs every rank to run as many micro-batches, "
-                              "which a short last batch does not give; set one of them back")
-        # Here, the devices this host has; a Slurm job's node checks its own (pipeline.parallel.wrap).
-        if train.sync_batchnorm and train.launcher == "local":
-            check_sync_batchnorm("cuda" if gpus.gpus_as_wanted(train.device) else "cpu")
+    for each in DISTRIBUTED:
+        if each in train.modes or mode == each:
+            check_distributed(train, each)
+
+
+def check_distributed(train, mode: str) -> None:
+    workers, nodes = ddp_layout(train)
+    listed = " (in train.modes)" if mode in train.modes else ""
+    try:
+        check_world_size(train.batch_size, workers * nodes, train.grad_accum_steps)
+    except ConfigError as exc:
+        raise ConfigError(f"{mode}{listed}: {exc}") from None
+    if mode != "ddp" or not train.sync_batchnorm:
+        return  # SyncBatchNorm is DDP's (pipeline.checkpoint.trajectory: fsdp's is always off)
+    if train.grad_accum_steps > 1:
+        # SyncBatchNorm meets the other ranks in every micro-batch's forward and backward, and a
+        # short last batch can give the ranks different numbers of them (micro_batches drops
+        # empty ones): the ranks would wait on each other for good.
+        raise ConfigError("train.sync_batchnorm is true with train.grad_accum_steps = "
+                          f"{train.grad_accum_steps}: SyncBatchNorm needs every rank to run as many micro-batches, "
+                          "which a short last batch does not give; set one of them back")
+    # Here, the devices this host has; a Slurm job's node checks its own (pipeline.parallel.wrap).
+    if train.launcher == "local":
+        check_sync_batchnorm("cuda" if gpus.gpus_as_wanted(train.device) else "cpu")
 
 
 def check_sync_batchnorm(device_type: str) -> None:
@@ -305,7 +314,8 @@ def process_group(rank: Rank, device: torch.device) -> Iterator[None]:
 def wrap(model: nn.Module, mode: str, device: torch.device, sync_batchnorm: bool = False) -> nn.Module:
     """The model as each mode trains it; `unwrap` gives back the module that holds the weights.
     `sync_batchnorm` (ddp): its BatchNorm layers become SyncBatchNorm, in place, with the same
-    parameters and buffers (the optimizer's, the checkpoint's), before DDP wraps it."""
+    parameters and buffers (the optimizer's, the checkpoint's), before DDP wraps it. fsdp shards
+    the model in place (`shard`): its parameters are new ones, so the optimizer is built after."""
     if mode == "dp":
         if device.type != "cuda":
             log.warning("dp: no CUDA device, so DataParallel has nothing to split; training the bare module on the CPU")
@@ -319,7 +329,64 @@ def wrap(model: nn.Module, mode: str, device: torch.device, sync_batchnorm: bool
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         device_ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    if mode == "fsdp":
+        return shard(model, device)
     return model
+
+
+def shard(model: nn.Module, device: torch.device) -> nn.Module:
+    """FSDP2: every parameter split over the ranks of a 1-D mesh, each rank holding 1/W of each
+    (dim 0, padded), gathered for a layer's forward and backward and freed after; gradients
+    reduce-scattered back to shards. Each child of the network that holds parameters is a unit of its
+    own (one all-gather each, the next one's overlapping this one's compute), and the root holds
+    what is left. The model itself is changed in place, so the returned module is `model`."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    network = getattr(model, "module", model)  # inside precision's AutocastForward, which holds no weights
+    for child in network.children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def sharded(model: nn.Module) -> bool:
+    """True for a model FSDP2 shards (`shard`): its parameters are DTensors, 1/W on each rank."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module`'s state dict with every sharded tensor gathered whole (a collective: every rank
+    calls it, in the same order), so what is saved or compared is the whole model, as other modes'."""
+    from torch.distributed.tensor import DTensor
+
+    state = module.state_dict()
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            state[key] = value.full_tensor()
+    return state
+
+
+@contextmanager
+def gradient_sync_held(wrapped: nn.Module) -> Iterator[None]:
+    """The backward inside communicates nothing: gradients accumulate on each rank until a later
+    backward outside it (gradient accumulation's earlier micro-batches). DDP's `no_sync`, FSDP2's
+    `set_requires_gradient_sync(False)`; one device has nothing to hold back."""
+    if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+        with wrapped.no_sync():
+            yield
+    elif sharded(wrapped):
+        wrapped.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            wrapped.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def unwrap(model: nn.Module) -> nn.Module:

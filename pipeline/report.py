@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import spread
+from pipeline.config import distributed
 from pipeline.plotting import pyplot
 
 
@@ -26,8 +27,8 @@ class ModeResult:
         every mode shares the same cores, so ranks add no hardware and the ideal stays 1x."""
         if self.train["device"] == "cpu":
             # Ranks on one machine share its cores; each further machine adds its own.
-            return self.train.get("nodes", 1) if self.mode == "ddp" else 1
-        if self.mode == "ddp":
+            return self.train.get("nodes", 1) if distributed(self.mode) else 1
+        if distributed(self.mode):
             return self.train["world_size"]
         if self.mode == "dp":
             return self.train["dp_devices"]
@@ -41,7 +42,7 @@ class ModeResult:
         if self.train["device"] != "cpu":
             return self.devices
         cores = self.train.get("cpu_cores")
-        return cores * (self.train.get("nodes", 1) if self.mode == "ddp" else 1) if cores else None
+        return cores * (self.train.get("nodes", 1) if distributed(self.mode) else 1) if cores else None
 
     @property
     def bare_dp(self) -> bool:
@@ -90,7 +91,7 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
             "world_size": r.train["world_size"],
             # DDP's ranks as machines x processes on each (older metrics files lack the split).
             "layout": (f"{r.train['nodes']} × {r.train['procs_per_node']}"
-                       if r.mode == "ddp" and "nodes" in r.train else None),
+                       if distributed(r.mode) and "nodes" in r.train else None),
             # Samples of each global batch per rank (ddp) or per GPU (dp); older metrics lack it.
             "shares": r.train.get("batch_shares", "n/a"),
             "device": r.train["device_name"] + (" (bare module: no GPU to split over)" if r.bare_dp else ""),
@@ -112,6 +113,7 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
             "disturbed": spread.disturbances(r.mode, r.step_times, step, mean_steady, r.train.get("host_load")),
             "host_load": r.train.get("host_load"),
             "train_time_s": r.train["train_time_s"],
+            "state_mb_per_rank": r.train.get("state_mb_per_rank"),  # older results lack it
             "test_accuracy": r.eval.get("accuracy"),  # a classifier's (MNIST's)
             "test_loss": r.eval.get("loss"),  # older results lack these
             # Another workload's metrics, each a mean over the test set (results/eval/<mode>.json).
@@ -230,8 +232,9 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
         "",
         "| mode | world size (nodes × processes) | batch per rank or GPU | device | epochs | samples/s "
         "| samples/s after warm-up | step (ms, 95% interval) | speed-up over single | scaling efficiency "
-        f"| training time (s) | {quality(rows[0])[0] if rows else 'test accuracy'} |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| training time (s) | weights, gradients, optimizer state per rank (MiB) "
+        f"| {quality(rows[0])[0] if rows else 'test accuracy'} |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         world = f"{row['world_size']} ({row['layout']})" if row["layout"] else str(row["world_size"])
@@ -244,7 +247,7 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
             f"{row['samples_per_s']:,.0f} | {_fmt(row['steady_samples_per_s'], ',.0f')} | "
             f"{interval_text(row['step'], '.2f', scale=1000)} | {interval_text(speedup, '.2f', 'x')} | "
             f"{interval_text(efficiency, '.0f', '%', scale=100)} | {row['train_time_s']:.1f} | "
-            f"{quality(row)[1]} |"
+            f"{_fmt(row['state_mb_per_rank'], '.2f')} | {quality(row)[1]} |"
         )
     first = rows[0] if rows else None
     if first and first["speedup_from"] == "median_step":

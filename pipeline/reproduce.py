@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from pipeline import record
-from pipeline.config import MODES
+from pipeline.config import MODES, distributed
 from pipeline.errors import PipelineError
 from pipeline.tracking.model import download_weights
 from pipeline.tracking.recorded import RunStore
@@ -200,7 +200,7 @@ def check_host(recorded: Recorded, root: Path) -> None:
 def devices_used(recorded: Recorded) -> int:
     """The GPUs (or CPU processes) the run trained on: DDP's world, DataParallel's shares of a batch
     ('43/43/42', or '6x8/5x16' for runs of equal ones), one for single."""
-    if recorded.mode == "ddp":
+    if distributed(recorded.mode):
         return int(recorded.tags["world_size"])
     shares = recorded.params.get("batch_shares") or ""
     if recorded.mode != "dp" or not shares:

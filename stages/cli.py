@@ -98,20 +98,22 @@ def name_the_training() -> None:
 
 
 def launches_local_workers(name: str, args: list[str]) -> bool:
-    """Whether the command will start DDP workers on this machine: commcheck, or train --mode ddp,
-    with train.launcher: local and outside torchrun. A wrong guess costs time, not correctness:
+    """Whether the command will start DDP workers on this machine: commcheck, or train --mode ddp
+    (or fsdp), with train.launcher: local and outside torchrun. A wrong guess costs time, not correctness:
     the launch starts the fork server itself when it is not running, and one started for nothing
     ends with this process."""
     if name not in ("train", "commcheck") or any(key in os.environ for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE")):
         return False
+    from pipeline.config import distributed
+
     config = readable_params(args)
     if config is None or config.train.launcher != "local":
         return False
     if name == "commcheck":
-        return config.commcheck.enabled and "ddp" in config.train.modes
+        return config.commcheck.enabled and any(distributed(mode) for mode in config.train.modes)
     if "--mode-of-dvc-stage" in args:
-        return os.environ.get("DVC_STAGE", "").endswith("train@ddp")
-    return option_value(args, "--mode") == "ddp"
+        return distributed(os.environ.get("DVC_STAGE", "").rpartition("@")[2])
+    return distributed(option_value(args, "--mode"))
 
 
 def logs_after_training(name: str, args: list[str]) -> bool:

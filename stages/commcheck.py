@@ -1,8 +1,8 @@
 """commcheck: every torch.distributed primitive checked and timed -> results/comm.json (the sweep),
 checks/comm.json (the verdict training depends on).
 
-It checks what DDP uses: with ddp not in train.modes nothing in the run uses torch.distributed, so it
-starts no workers and leaves the last verdict as it was (nothing retrains for it)."""
+It checks what DDP and FSDP use: with neither in train.modes nothing in the run uses
+torch.distributed, so it starts no workers and leaves the last verdict as it was (nothing retrains for it)."""
 
 import socket
 from pathlib import Path
@@ -124,11 +124,11 @@ def commcheck(params_path: str) -> None:
         for path in (RESULTS_FILE, VERDICT_FILE):
             write_json(path, {"enabled": False})
         click.echo("commcheck: skipped (commcheck.enabled is false)")
-    elif "ddp" not in config.train.modes:
-        write_json(RESULTS_FILE, {"enabled": False, "skipped": "ddp is not in train.modes"})
+    elif not any(parallel.distributed(mode) for mode in config.train.modes):
+        write_json(RESULTS_FILE, {"enabled": False, "skipped": "neither ddp nor fsdp is in train.modes"})
         if not VERDICT_FILE.is_file():
             write_json(VERDICT_FILE, {"enabled": False})
-        click.echo("commcheck: nothing to check (ddp is not in train.modes, and no other mode uses "
+        click.echo("commcheck: nothing to check (neither ddp nor fsdp is in train.modes, and no other mode uses "
                    "torch.distributed)")
     else:
         parallel.check_every_mode(config.train)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.config import Config
+from pipeline.config import Config, distributed
 from pipeline.errors import PipelineError
 
 DDP_SCRIPT = Path("deploy/slurm/train.sbatch")
@@ -41,7 +41,7 @@ class Job:
 def job_for(config: Config, command: str, mode: str | None = None) -> Job:
     """DDP's (and commcheck's, which checks the link DDP will use) over train.nodes nodes with
     train.nproc workers each; DataParallel's over train.nproc GPUs of one node; one device else."""
-    if command == "commcheck" or mode == "ddp":
+    if command == "commcheck" or distributed(mode):
         return Job(DDP_SCRIPT, config.train.nodes, config.train.nproc or None)
     return Job(ONE_PROCESS_SCRIPT, 1, (config.train.nproc or None) if mode == "dp" else 1)
 

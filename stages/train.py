@@ -88,7 +88,7 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
         "world_size": rank.world_size,
         "nodes": parallel.nodes(rank),
         "procs_per_node": rank.local_world_size,
-        "backend": parallel.backend_for(device) if mode == "ddp" else None,
+        "backend": parallel.backend_for(device) if parallel.distributed(mode) else None,
         "device": device.type,
         "device_name": parallel.device_name(device),
         # The cores this process could use: on a CPU, what no speed-up can exceed (per node).
@@ -97,7 +97,7 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
         "dp_devices": parallel.dp_device_count(device) if mode == "dp" else None,
         "epochs": len(history),
         "batch_size": config.train.batch_size,
-        # Each rank's share of a global batch (ddp), or each GPU's (dp): "43/43/42".
+        # Each rank's share of a global batch (ddp, fsdp), or each GPU's (dp): "43/43/42".
         "batch_shares": batch_shares_label(config.train.batch_size, mode, rank, device),
         "train_time_s": round(train_time, 3),
         "samples_per_s": round(samples / train_time, 1),
@@ -114,6 +114,8 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
                           if last.get("steady_time_s") and last.get("steady_steps") else None),
         # What else the host ran during the last epoch (the one whose steps were measured).
         "host_load": last.get("host_load"),
+        # The largest rank's parameters, gradients and optimizer state, in MiB (fsdp's: about 1/W of ddp's).
+        "state_mb_per_rank": round(max(last["rank_state_mb"]), 4) if "rank_state_mb" in last else None,
         **{key: last[key] for key in quality_keys(last)},
     }
 
@@ -129,7 +131,7 @@ def breakdown_summary(config: Config, mode: str, rank: parallel.Rank, device, hi
             "batch_shares": batch_shares_label(config.train.batch_size, mode, rank, device),
             "ranks": [{"rank": r, **b} for r, b in enumerate(ranks) if b],
             "unmeasured": untimed(config, steps, history)["unmeasured"],
-            "link": measured_link(rank, device) if mode == "ddp" else None}
+            "link": measured_link(rank, device) if parallel.distributed(mode) else None}
 
 
 def measured_link(rank: parallel.Rank, device) -> dict | None:
@@ -149,7 +151,7 @@ def measured_link(rank: parallel.Rank, device) -> dict | None:
 
 
 def batch_shares_label(global_batch: int, mode: str, rank: parallel.Rank, device) -> str:
-    if mode == "ddp":
+    if parallel.distributed(mode):
         return parallel.shares_label(parallel.batch_shares(global_batch, rank.world_size))
     if mode == "dp":
         return parallel.shares_label(parallel.dp_shares(global_batch, parallel.dp_device_count(device)))
@@ -180,7 +182,7 @@ def attach_rank_log(path: Path) -> Path:
 
 
 def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resume: bool) -> None:
-    """Train in this process: the whole job for single and dp, one rank's share for ddp.
+    """Train in this process: the whole job for single and dp, one rank's share for ddp and fsdp.
     `params_text`: the params file as `config` was read from it."""
     rank = parallel.rank_from_env()
     if not rank.is_main:
@@ -192,12 +194,12 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
     if not config.train.bf16:
         float32_means_float32()
     device = parallel.pick_device(rank, config.train.device, every_gpu=mode == "dp")
-    if mode == "ddp" and device.type == "cpu":
+    if parallel.distributed(mode) and device.type == "cpu":
         parallel.limit_cpu_threads(rank)
     if config.tracking.enabled:
         check_worker_store(rank)
 
-    with parallel.process_group(rank, device) if mode == "ddp" else nullcontext():
+    with parallel.process_group(rank, device) if parallel.distributed(mode) else nullcontext():
         workload = workloads.load_workload(config.workload)  # checked at the start (check_can_start)
         stats = load_stats(data_dir)
         channels_last = device.type == "cuda" and config.train.channels_last
@@ -217,7 +219,7 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
         # Read once, on rank 0, and sent to all: the loop continues from it, tracking reopens the runs it names.
         state = resume_state(out / CHECKPOINT_FILE, trajectory(config.train, mode, config.workload), asked=resume,
                              restarted=parallel.restarted(), rank=rank, launch=parallel.launch_id())
-        facts = {**run_facts(mode, rank, device, distributed=mode == "ddp"), **record.inputs(params, data_dir)}
+        facts = {**run_facts(mode, rank, device, distributed=parallel.distributed(mode)), **record.inputs(params, data_dir)}
         tracking = config.tracking
         if os.environ.get(record.REPRODUCES_ENV):  # a reproduction: said from the start, and nothing registered
             facts["reproduces"] = os.environ[record.REPRODUCES_ENV]
@@ -300,7 +302,7 @@ def example_inputs(samples: workloads.Samples, count: int = 4) -> torch.Tensor:
 
 def planned_world_size(config: Config, mode: str) -> int | None:
     """The ranks this training will have; None where a Slurm job decides (train.nproc 0)."""
-    if mode != "ddp":
+    if not parallel.distributed(mode):
         return 1
     if config.train.launcher == "slurm" and not config.train.nproc:
         return None
@@ -402,7 +404,7 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
     else:
         gpus.gpus_as_wanted(config.train.device)  # train.device: cuda without a GPU fails here
     parallel.check_every_mode(config.train, mode)
-    if mode == "ddp":
+    if parallel.distributed(mode):
         # Fail here, before any worker starts, on what would fail in every worker.
         workers, nodes = parallel.ddp_layout(config.train)
         if slurm.launcher(config) == "local" and not parallel.under_torchrun():
@@ -445,19 +447,19 @@ def check_prepared(data_dir: Path, batch_size: int, workload: workloads.Workload
                     counts["train"], counts["val"], batch_size, counts["train"])
 
 
-@click.command(short_help="Train one mode: single, dp or ddp.")
+@click.command(short_help="Train one mode: single, dp, ddp or fsdp.")
 @params_option
-@click.option("--mode", type=click.Choice(MODES), help="single, dp (DataParallel) or ddp.")
+@click.option("--mode", type=click.Choice(MODES), help="single, dp (DataParallel), ddp or fsdp (FSDP2's fully_shard).")
 @click.option("--mode-of-dvc-stage", "from_stage", is_flag=True,
               help="The mode named by the DVC stage running this (DVC_STAGE=train@<mode>), as dvc.yaml says.")
 @click.option("--data-dir", default="data/prepared", show_default=True, type=click.Path(file_okay=False))
 @click.option("--resume", is_flag=True, help="Continue from models/<mode>/checkpoint.pt.")
 def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, resume: bool) -> None:
-    """Train one mode. For ddp, starts one worker per device unless already under torchrun; with
+    """Train one mode. For ddp and fsdp, starts one worker per device unless already under torchrun; with
     train.launcher: slurm, every mode trains in a Slurm job."""
     mode = stage_mode() if from_stage else mode
     if mode is None:
-        raise click.UsageError("say which mode to train: --mode single, dp or ddp")
+        raise click.UsageError("say which mode to train: --mode single, dp, ddp or fsdp")
     config, params_text = read_config(params_path)  # the text: what the run records, checked at the end
     if parallel.under_torchrun() or slurm.submitted_job():  # a worker, or the job: its launcher or submitter decided
         if parallel.rank_from_env().is_main:
@@ -472,7 +474,7 @@ def train(params_path: str, mode: str | None, from_stage: bool, data_dir: str, r
         # an outer launcher (torchrun, a scheduler) runs them.
         os.environ.setdefault(forkserver.SNAPSHOT_ENV, secrets.token_hex(8))
         resume = pick_up(config, mode, Path(data_dir), asked=resume)
-        if mode == "ddp" or slurm.launcher(config) == "slurm":
+        if parallel.distributed(mode) or slurm.launcher(config) == "slurm":
             launch(config, mode, params_path, data_dir, resume)
             # Rank 0 checked before its runs ended, maybe on another node's disk: this one's, once more.
             inputs_unchanged(mode, Path(data_dir))

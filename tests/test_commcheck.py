@@ -221,7 +221,7 @@ def test_nothing_to_check_without_ddp(project):
     commcheck(project, 2)
     verdict = (project / "checks/comm.json").read_text()
     result = run(["mnist-pipeline", "commcheck", "--params", "params-no-ddp.yaml"], project, **project_env(project))
-    assert "nothing to check (ddp is not in train.modes" in result.stdout and "launching" not in result.stdout
+    assert "nothing to check (neither ddp nor fsdp is in train.modes" in result.stdout and "launching" not in result.stdout
     assert (project / "checks/comm.json").read_text() == verdict
     assert json.loads((project / "results/comm.json").read_text())["enabled"] is False
 

@@ -45,7 +45,7 @@ def test_empty_params_give_defaults():
         ({"train": {"batch_size": 0}}, ["train.batch_size = 0", ">= 1"]),
         ({"train": {"batch_size": 12.5}}, ["train.batch_size = 12.5", "an integer"]),
         ({"train": {"epochs": True}}, ["train.epochs = True", "an integer"]),
-        ({"train": {"modes": ["single", "fsdp"]}}, ["train.modes", "fsdp", "single"]),
+        ({"train": {"modes": ["single", "tp"]}}, ["train.modes", "tp", "fsdp"]),
         ({"train": {"modes": []}}, ["train.modes = []", "non-empty"]),
         ({"workload": {"class_path": "Mnist"}}, ["workload.class_path = 'Mnist'", "an import path, module.Class"]),
         ({"workload": {"init_args": ["small"]}}, ["workload.init_args = ['small']", "a mapping"]),

@@ -19,12 +19,12 @@ import pytest
 
 from tests.conftest import SMALL, make_project, process_cpu_seconds, project_env, run, scaled
 
-MODES = ("single", "dp", "ddp")
+MODES = ("single", "dp", "ddp", "fsdp")  # every mode, fsdp beside the default three
 
 
 @pytest.fixture(scope="module")
 def repro(tmp_path_factory, mnist_dir):
-    project = make_project(tmp_path_factory.mktemp("dvc") / "proj", SMALL)
+    project = make_project(tmp_path_factory.mktemp("dvc") / "proj", {**SMALL, "train": {**SMALL["train"], "modes": list(MODES)}})
     env = project_env(project, MNIST_SOURCE=str(mnist_dir))
     result = run(["dvc", "repro"], project, **env, MNIST_PIPELINE_DEBUG="1")  # each client says where it ran
     return project, env, result
@@ -48,6 +48,13 @@ def test_repro_runs_every_stage(repro):
         steps = (project / "plots/steps" / f"{mode}.csv").read_text().splitlines()
         assert steps[0] == "step,epoch,train_loss" and len(steps) == 1 + 2 * 10  # 10 steps an epoch: windows of 1
         assert (project / "plots/confusion" / f"{mode}.png").read_bytes()[:4] == b"\x89PNG"
+    # What sharding buys: each of fsdp's 2 ranks holds half of the weights, gradients and Adam's state
+    # that each of ddp's holds whole (the shards' padding and Adam's step counts aside), and compare says so.
+    state = {mode: json.loads((project / "results/train" / f"{mode}.json").read_text())["state_mb_per_rank"]
+             for mode in ("single", "ddp", "fsdp")}
+    assert state["ddp"] == state["single"] and 0.45 * state["ddp"] < state["fsdp"] <= 0.55 * state["ddp"], state
+    report = (project / "reports/comparison.md").read_text()
+    assert "optimizer state per rank (MiB) |" in report and f"| {state['fsdp']:.2f} |" in report
 
 
 @pytest.mark.alone
@@ -243,14 +250,14 @@ def test_each_stage_depends_only_on_the_params_it_reads(repro):
 
 
 def test_metrics_show_leads_with_test_accuracy(repro):
-    """What `dvc metrics show` holds: a person's comparison (at most 50 numbers), no strings, the
-    test set's accuracy in the first column, one row per mode."""
+    """What `dvc metrics show` holds: a person's comparison (at most 16 numbers a mode), no strings,
+    the test set's accuracy in the first column, one row per mode."""
     project, env, _ = repro
     shown = json.loads(run(["dvc", "metrics", "show", "--json"], project, **env).stdout)
     files = next(iter(shown.values()))["data"]
     assert sorted(files) == sorted(f"metrics/{mode}.json" for mode in MODES)
     values = [value for file in files.values() for value in file["data"].values()]
-    assert len(values) <= 50 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    assert len(values) <= 16 * len(MODES) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
     for mode in MODES:
         numbers = files[f"metrics/{mode}.json"]["data"]
         evaluation = json.loads((project / "results/eval" / f"{mode}.json").read_text())
@@ -289,7 +296,7 @@ def test_report_numbers_equal_the_metrics(repro):
     report = (project / "reports/comparison.md").read_text()
     first_table = report.partition("How steady each mode")[0]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
-            for line in first_table.splitlines() if re.match(r"\| (single|dp|ddp) \|", line)}
+            for line in first_table.splitlines() if re.match(r"\| (single|dp|ddp|fsdp) \|", line)}
     assert set(rows) == set(MODES)
     single = json.loads((project / "results/train/single.json").read_text())
     # 10 steps an epoch, all of them warm-up (train.throughput_warmup_steps): whole-epoch speed-ups.
@@ -298,7 +305,7 @@ def test_report_numbers_equal_the_metrics(repro):
         train = json.loads((project / "results/train" / f"{mode}.json").read_text())
         evaluation = json.loads((project / "results/eval" / f"{mode}.json").read_text())
         row = rows[mode]
-        world = f"{train['world_size']} ({train['nodes']} × {train['procs_per_node']})" if mode == "ddp" \
+        world = f"{train['world_size']} ({train['nodes']} × {train['procs_per_node']})" if mode in ("ddp", "fsdp") \
             else str(train["world_size"])
         assert row[1] == world and row[2] == train["batch_shares"] and row[4] == str(train["epochs"])
         metrics = json.loads((project / "metrics" / f"{mode}.json").read_text())
@@ -308,7 +315,7 @@ def test_report_numbers_equal_the_metrics(repro):
         assert row[8] == (f"{metrics['speedup']:.2f}x ({metrics['speedup_low']:.2f}-{metrics['speedup_high']:.2f})"
                           if mode != "single" else "1.00x")
         assert row[10] == f"{train['train_time_s']:.1f}"
-        assert row[11] == f"{evaluation['accuracy']:.2%}"
+        assert row[11] == f"{train['state_mb_per_rank']:.2f}" and row[12] == f"{evaluation['accuracy']:.2%}"
     assert "bare module" in rows["dp"][3] and "DataParallel ran on a CPU-only host" in report
     for png in ("throughput.png", "loss.png"):
         assert (project / "reports" / png).read_bytes()[:4] == b"\x89PNG"
@@ -482,7 +489,7 @@ def test_the_printed_link_opens_the_training_runs_in_a_real_browser(repro, tmp_p
         assert sorted(r.info.run_name for r in runs) == sorted(MODES)
         compare_page = chromium_dom(compare_link.replace("http://127.0.0.1:5000", base), tmp_path,
                                     Path(shots) / "mlflow-compare.png" if shots else None)
-        assert "Comparing 3 Runs" in compare_page
+        assert f"Comparing {len(MODES)} Runs" in compare_page
         # The page renders its first 17 metric rows (alphabetical; test_accuracy is past them since
         # the step breakdown's figures came): the speed-up, which compare put on every mode run.
         shown = [float(value) for value in metric_row(compare_page, "speedup_over_single")]

@@ -1,6 +1,6 @@
 """Checkpoints every N steps (`train.checkpoint_every_steps`, #56): a training killed mid-epoch
 goes on from the next step and ends with the uninterrupted training's weights and epoch metrics,
-bit for bit, on one device and on 3 DDP ranks (gloo), with dropout drawing from restored random
+bit for bit, on one device and on 3 DDP or FSDP ranks (gloo), with dropout drawing from restored random
 states. The trainings are the pipeline's own loop in processes of their own, killed by its crash
 hook right after a step's checkpoint (tests/ddp_harness.py); the stage's path, torchrun's restart
 included, is tests/test_train_modes.py's odd-world-size resume."""
@@ -39,10 +39,9 @@ def data():
     return learnable_data(400), learnable_data(50, seed=1)
 
 
-def trainer(r: int, world: int, out, phase: str) -> None:
+def trainer(r: int, world: int, out, phase: str, mode: str) -> None:
     """One rank of one attempt: 'whole' trains uninterrupted, 'killed' dies after step KILLED_AFTER's
     checkpoint, 'resumed' goes on from the checkpoint rank 0 wrote."""
-    mode = "ddp" if world > 1 else "single"
     folder = rank_dir(out / phase.replace("killed", "resumed"), r)
     if phase == "killed":
         os.environ["MNIST_PIPELINE_CRASH_AFTER_STEP"] = str(KILLED_AFTER)
@@ -53,15 +52,15 @@ def trainer(r: int, world: int, out, phase: str) -> None:
         torch.save({"weights": model.state_dict(), "history": history}, out / f"{phase}.pt")
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_a_training_killed_mid_epoch_resumes_bit_for_bit(tmp_path, world):
-    run_ranks(world, trainer, tmp_path, "whole")
+@pytest.mark.parametrize("world, mode", [(1, "single"), (3, "ddp"), (3, "fsdp")])
+def test_a_training_killed_mid_epoch_resumes_bit_for_bit(tmp_path, world, mode):
+    run_ranks(world, trainer, tmp_path, "whole", mode)
     with pytest.raises(mp.ProcessExitedException, match="exit code 75"):
-        run_ranks(world, trainer, tmp_path, "killed")
+        run_ranks(world, trainer, tmp_path, "killed", mode)
     saved = read_checkpoint(tmp_path / "resumed" / "rank-0" / CHECKPOINT_FILE)
     assert (saved["epoch"], in_epoch_step(saved)) == (1, KILLED_AFTER - 10)
     assert saved["in_epoch"]["world_size"] == world and len(saved["in_epoch"]["ranks"]) == world
-    run_ranks(world, trainer, tmp_path, "resumed")
+    run_ranks(world, trainer, tmp_path, "resumed", mode)
 
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)

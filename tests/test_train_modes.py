@@ -40,6 +40,27 @@ def test_ddp_matches_single_and_ranks_stay_in_sync(small_project):
     assert summary["world_size"] == 2 and summary["backend"] == "gloo" and summary["batch_shares"] == "50/50"
 
 
+def test_fsdp_matches_single_and_saves_the_whole_model(small_project):
+    """FSDP2 (`fully_shard`) through the stage: torchrun's workers, each holding half of every
+    parameter; what it saves, checkpoints and logs is the whole model, as the other modes'."""
+    fsdp = train_cli(small_project, "fsdp")
+    assert "launching 2 workers" in fsdp.stdout
+    single, sharded = load_weights(small_project, "single"), load_weights(small_project, "fsdp")
+    assert {key: value.shape for key, value in sharded.items()} == {key: value.shape for key, value in single.items()}
+    difference = relative_difference(single, sharded)
+    print(f"after 20 steps: relative |single - fsdp| {difference:.2e}, max {max_abs_diff(single, sharded):.2e}")
+    assert 0 < difference < 1e-3  # the same training, its sums in another order (as ddp's)
+    summary = json.loads((small_project / "results/train/fsdp.json").read_text())
+    assert summary["world_size"] == 2 and summary["backend"] == "gloo" and summary["batch_shares"] == "50/50"
+    state = torch.load(small_project / "models/fsdp/checkpoint.pt", weights_only=True)
+    assert state["model"].keys() == single.keys() and torch.equal(state["model"]["0.weight"], sharded["0.weight"])
+    # The optimizer's state is whole too (keyed by the parameters' names): Adam's moments of every weight.
+    assert {key: value.shape for key, value in state["optimizer"]["state"]["0.weight"].items()
+            if key != "step"} == {"exp_avg": single["0.weight"].shape, "exp_avg_sq": single["0.weight"].shape}
+    for epoch in state["history"]:  # the gathered weights, checked equal on both ranks after each epoch
+        assert len(epoch["rank_weight_checksums"]) == 2 and len(set(epoch["rank_weight_checksums"])) == 1
+
+
 def test_dp_on_cpu_is_the_bare_module_and_matches_single(small_project):
     dp = train_cli(small_project, "dp")
     assert "bare module" in dp.stderr
@@ -79,7 +100,8 @@ def test_resume_without_checkpoint_or_with_changed_settings(small_project, tmp_p
         (["--mode", "ddp"], {"batch_size": 1}, "train.batch_size = 1 is smaller than the 2 DDP ranks"),
         (["--mode", "single"], {"device": "cuda"}, "train.device is cuda, but no GPU is visible"),
         (["--mode", "ddp"], {"device": "cuda"}, "train.device is cuda, but no GPU is visible"),
-        (["--mode", "fsdp"], {}, "'fsdp' is not one of 'single', 'dp', 'ddp'"),
+        (["--mode", "tp"], {}, "'tp' is not one of 'single', 'dp', 'ddp', 'fsdp'"),
+        (["--mode", "fsdp"], {"batch_size": 1}, "train.batch_size = 1 is smaller than the 2 DDP ranks"),
         (["--mode", "single", "--data-dir", "nowhere"], {}, "nowhere/stats.json: missing; run `mnist-pipeline prepare`"),
         (["--mode", "ddp", "--data-dir", "nowhere"], {}, "nowhere/stats.json: missing"),
     ],
