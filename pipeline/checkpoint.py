@@ -25,11 +25,12 @@ MODEL_FILE = "model.pt"
 # and skips the steps whose gradients overflowed.)
 # The workload (its class and arguments: the model, the loss) shapes it too.
 TRAJECTORY_KEYS = ("epochs", "batch_size", "optimizer", "schedule", "lr", "momentum", "weight_decay",
-                   "max_grad_norm", "grad_accum_steps", "seed", "bf16", "fp16", "deterministic", "sync_batchnorm")
+                   "max_grad_norm", "grad_accum_steps", "seed", "bf16", "fp16", "deterministic", "sync_batchnorm",
+                   "fsdp_sharding")
 # What a checkpoint saved before the optimizer, the schedule, clipping, accumulation, fp16 and
-# SyncBatchNorm were settings trained with.
+# SyncBatchNorm (and fsdp's sharding, whose reductions sum in another order) were settings trained with.
 TRAJECTORY_BEFORE = {"optimizer": "adam", "schedule": "onecycle", "momentum": None, "max_grad_norm": 0.0,
-                     "grad_accum_steps": 1, "fp16": False, "sync_batchnorm": False}
+                     "grad_accum_steps": 1, "fp16": False, "sync_batchnorm": False, "fsdp_sharding": "full"}
 
 
 def trajectory(config: TrainConfig, mode: str, workload: WorkloadConfig | None = None) -> dict[str, Any]:
@@ -40,6 +41,8 @@ def trajectory(config: TrainConfig, mode: str, workload: WorkloadConfig | None =
         settings["momentum"] = None  # SGD's alone: a change under Adam changes nothing trained
     if mode != "ddp":
         settings["sync_batchnorm"] = False  # ddp's alone: single and dp normalise the whole batch anyway
+    if mode != "fsdp":
+        settings["fsdp_sharding"] = "full"  # fsdp's alone
     workload = workload or WorkloadConfig()
     return {"mode": mode, "workload": {"class_path": workload.class_path, "init_args": full_init_args(workload)},
             **{key: settings[key] for key in TRAJECTORY_KEYS}}

@@ -19,7 +19,8 @@ import yaml
 from pipeline.errors import ConfigError
 
 MODES = ("single", "dp", "ddp", "fsdp")
-DEFAULT_MODES = MODES[:3]  # what params.yaml trains: fsdp is asked for (docs/ddp.md)
+DEFAULT_MODES = MODES[:3]
+FSDP_SHARDING = ("full", "hybrid")  # what params.yaml trains: fsdp is asked for (docs/ddp.md)
 # The modes that train in several processes, one per device, each a rank of one process group:
 # DistributedDataParallel's copies of the model, and FSDP2's shards of it (fully_shard).
 DISTRIBUTED = ("ddp", "fsdp")
@@ -121,6 +122,9 @@ class TrainConfig:
     # ddp: the model's BatchNorm layers as torch's SyncBatchNorm, normalising by the global batch's
     # statistics, as one device does (docs/workloads.md). GPUs only: torch's has no CPU kernel.
     sync_batchnorm: bool = False
+    # fsdp: "full" shards every parameter over all the ranks; "hybrid" shards within each node and
+    # replicates across nodes (HSDP: a 2-D mesh), so only a gradient all-reduce crosses between nodes.
+    fsdp_sharding: str = field(default="full", metadata=_rule(lambda v: v in FSDP_SHARDING, f"one of {FSDP_SHARDING}"))
     # Deterministic algorithms (cuDNN, cuBLAS, torch): identical runs and resumes give the same
     # bits on GPUs too, at some speed there; the CPU's ops are deterministic either way.
     deterministic: bool = True

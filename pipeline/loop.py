@@ -49,6 +49,7 @@ from pipeline.parallel import (
     check_world_size,
     full_state_dict,
     gradient_sync_held,
+    nodes,
     restarted,
     sharded,
     unwrap,
@@ -251,10 +252,12 @@ def build(config: TrainConfig, steps: int, device: torch.device, workload: Workl
     return model, optimizer, scheduler
 
 
-def wrap_for_mode(model: nn.Module, config: TrainConfig, device: torch.device, mode: str) -> nn.Module:
+def wrap_for_mode(model: nn.Module, config: TrainConfig, device: torch.device, mode: str,
+                  nodes: int = 1) -> nn.Module:
+    """`nodes`: the machines the ranks span, each a replica under train.fsdp_sharding: hybrid."""
     # Autocast inside the module that DataParallel replicates (see pipeline.precision).
     return wrap(with_autocast(model, device, autocast_dtype(device, config.bf16, config.fp16)), mode, device,
-                sync_batchnorm=config.sync_batchnorm)
+                sync_batchnorm=config.sync_batchnorm, replicas=nodes if config.fsdp_sharding == "hybrid" else 1)
 
 
 def settle_gradient_buckets(wrapped: nn.Module, data: Data) -> None:
@@ -291,13 +294,14 @@ def share_loss(outputs: torch.Tensor, targets: torch.Tensor, batch_len: int, wor
     return sample_losses / (batch_len / world_size), sample_losses.detach()
 
 
-def micro_batches(share: torch.Tensor, count: int) -> list[torch.Tensor]:
+def micro_batches(share: torch.Tensor, count: int, keep_empty: bool = False) -> list[torch.Tensor]:
     """A rank's share of a global batch in `count` parts for gradient accumulation, their lengths
     within one of each other, the longer first. Parts left empty by a share shorter than `count` (the
     epoch's short last batch) are dropped, but the last part stays, empty or not: DDP all-reduces in
-    its backward, and every rank must take part in that."""
+    its backward, and every rank must take part in that. `keep_empty` (fsdp) keeps them all: each
+    forward gathers the weights, so every rank must run as many."""
     parts = share.tensor_split(count)
-    return [part for part in parts[:-1] if len(part)] + [parts[-1]]
+    return list(parts) if keep_empty else [part for part in parts[:-1] if len(part)] + [parts[-1]]
 
 
 def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch.Tensor, global_batch: int,
@@ -352,7 +356,8 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
     pause = pause_asked()
     wrapped.train()
     # Each step's micro-batches of this rank's share, all decided now: a DataLoader reads ahead.
-    step_parts = [micro_batches(rank_share(batch, rank), grad_accum_steps) for batch in batches[start:]]
+    step_parts = [micro_batches(rank_share(batch, rank), grad_accum_steps, keep_empty=sharded(wrapped))
+                  for batch in batches[start:]]
     feed = data.feed((part for parts in step_parts for part in parts), epoch=epoch)  # epoch: its augmentation
     for i, (batch, part_indices) in enumerate(tqdm(zip(batches[start:], step_parts), desc=desc, disable=not show_bar,
                                                    leave=False, initial=start, total=len(batches)), start):
@@ -467,12 +472,12 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
             scaler.load_state_dict(state["scaler"])
         start_epoch, history = state["epoch"], state["history"]
         partial = in_epoch_part(state, rank, run.out_dir / CHECKPOINT_FILE)
-    wrapped = wrap_for_mode(model, config, device, run.mode)
+    wrapped = wrap_for_mode(model, config, device, run.mode, nodes(rank))
     if run.mode == "fsdp":  # sharding made new parameters: the optimizer steps those, each rank its shards
         optimizer = build_optimizer(wrapped.parameters(), config)
         scheduler = build_schedule(optimizer, config, config.epochs * steps)
         if run.resume_state is not None:
-            load_sharded_optimizer(wrapped, optimizer, run.resume_state["optimizer"])
+            load_sharded_optimizer(model, optimizer, run.resume_state["optimizer"])
             scheduler.load_state_dict(run.resume_state["scheduler"])
     # The step's phases (on every step on the CPU); its communication, and a trace, on a window of
     # the last epoch.
@@ -619,10 +624,12 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
             for hook in run.epoch_hooks:
                 hook(metrics, rank_metrics)
             crash_if_asked(epoch + 1)
-    if run.mode == "fsdp":  # what the stage saves and logs: the whole model, as every other mode's
-        whole = workload.build_model().to(device)
-        whole.load_state_dict(full_state_dict(model))
-        return whole, history
+    if run.mode == "fsdp":  # what the stage saves and logs (rank 0): the whole model, on the CPU
+        weights = full_state_dict(model)
+        if rank.is_main:
+            whole = workload.build_model()
+            whole.load_state_dict(weights)
+            return whole, history
     return model, history
 
 
@@ -666,8 +673,7 @@ def checkpoint_state(model: nn.Module, wrapped: nn.Module, optimizer, scheduler,
     written by rank 0: the whole model and optimizer state, whatever the mode."""
     return {
         "model": full_state_dict(model),
-        "optimizer": (optimizer.state_dict() if not sharded(wrapped) else
-                      whole_optimizer_state(wrapped, optimizer)),
+        "optimizer": optimizer.state_dict() if not sharded(wrapped) else whole_optimizer_state(model, optimizer),
         "scheduler": scheduler.state_dict(),
         **({"scaler": scaler.state_dict()} if scaler is not None else {}),
         "epoch": epochs_done,
@@ -677,18 +683,21 @@ def checkpoint_state(model: nn.Module, wrapped: nn.Module, optimizer, scheduler,
     }
 
 
-def whole_optimizer_state(wrapped: nn.Module, optimizer) -> dict[str, Any]:
-    """fsdp's optimizer state gathered whole (keyed by parameter names), on every rank."""
+def whole_optimizer_state(model: nn.Module, optimizer) -> dict[str, Any]:
+    """fsdp's optimizer state gathered whole, keyed by the names of `model`'s parameters (the bare
+    network's, as the checkpoint's weights: the same whatever the precision wraps it in), on the
+    CPU of rank 0 (the others get {}: no rank holds it all on its device)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    return get_optimizer_state_dict(wrapped, optimizer, options=StateDictOptions(full_state_dict=True))
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_sharded_optimizer(wrapped: nn.Module, optimizer, whole: dict[str, Any]) -> None:
-    """whole_optimizer_state's inverse: each rank keeps its shards of the saved state."""
+def load_sharded_optimizer(model: nn.Module, optimizer, whole: dict[str, Any]) -> None:
+    """whole_optimizer_state's inverse: each rank keeps its shards of the saved state (which every
+    rank was sent), on its device."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(wrapped, optimizer, whole, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, optimizer, whole, options=StateDictOptions(full_state_dict=True))
 
 
 def in_epoch_sums(step: int, loss_sum: torch.Tensor, scores: dict[str, torch.Tensor], clipped: torch.Tensor,

@@ -22,6 +22,7 @@ from pipeline import gpus
 from pipeline.runtime import forkserver
 from pipeline.config import DISTRIBUTED, distributed  # noqa: F401 (distributed: the modes' test, here too)
 from pipeline.errors import ConfigError, PipelineError
+from pipeline.precision import AutocastForward
 
 log = logging.getLogger(__name__)
 CPU_ONLY_DEFAULT_NPROC = 2
@@ -311,11 +312,13 @@ def process_group(rank: Rank, device: torch.device) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, mode: str, device: torch.device, sync_batchnorm: bool = False) -> nn.Module:
+def wrap(model: nn.Module, mode: str, device: torch.device, sync_batchnorm: bool = False,
+         replicas: int = 1) -> nn.Module:
     """The model as each mode trains it; `unwrap` gives back the module that holds the weights.
     `sync_batchnorm` (ddp): its BatchNorm layers become SyncBatchNorm, in place, with the same
     parameters and buffers (the optimizer's, the checkpoint's), before DDP wraps it. fsdp shards
-    the model in place (`shard`): its parameters are new ones, so the optimizer is built after."""
+    the model in place (`shard`, over `replicas` groups of ranks): its parameters are new ones, so
+    the optimizer is built after."""
     if mode == "dp":
         if device.type != "cuda":
             log.warning("dp: no CUDA device, so DataParallel has nothing to split; training the bare module on the CPU")
@@ -330,26 +333,60 @@ def wrap(model: nn.Module, mode: str, device: torch.device, sync_batchnorm: bool
         device_ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     if mode == "fsdp":
-        return shard(model, device)
+        if sync_batchnorm:
+            log.warning("fsdp: train.sync_batchnorm is ddp's alone; fsdp's BatchNorm layers normalise each rank's "
+                        "share, their running statistics rank 0's, as ddp's without it")
+        return shard(model, device, replicas)
     return model
 
 
-def shard(model: nn.Module, device: torch.device) -> nn.Module:
-    """FSDP2: every parameter split over the ranks of a 1-D mesh, each rank holding 1/W of each
+def shard(model: nn.Module, device: torch.device, replicas: int = 1) -> nn.Module:
+    """FSDP2: every parameter split over the ranks of a device mesh, each rank holding 1/W of each
     (dim 0, padded), gathered for a layer's forward and backward and freed after; gradients
-    reduce-scattered back to shards. Each child of the network that holds parameters is a unit of its
-    own (one all-gather each, the next one's overlapping this one's compute), and the root holds
-    what is left. The model itself is changed in place, so the returned module is `model`."""
+    reduce-scattered back to shards. `replicas` > 1 (train.fsdp_sharding: hybrid, one per node): a
+    2-D mesh, sharded within each node and replicated across nodes, whose gradients are then
+    all-reduced between the replicas (HSDP): each rank holds 1/(W/replicas) of the model, and only
+    that all-reduce crosses the slower links between nodes.
+
+    The units gathered one at a time are the network's layers (the children of its containers,
+    Sequential and the like, that hold parameters): the next one's all-gather overlaps this one's
+    compute. The root holds what is left. The model is changed in place: the result is `model`."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    network = getattr(model, "module", model)  # inside precision's AutocastForward, which holds no weights
-    for child in network.children():
-        if any(True for _ in child.parameters()):
-            fully_shard(child, mesh=mesh)
+    world = dist.get_world_size()
+    if replicas > 1:
+        mesh = init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,))
+    # FSDP2 shards contiguous parameters only: channels_last (conv weights, on GPUs) goes back to
+    # the standard layout; the inputs may stay channels_last, and cuDNN follows them.
+    model.to(memory_format=torch.contiguous_format)
+    network = model.module if isinstance(model, AutocastForward) else model
+    for unit in shard_units(network):
+        fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if any(True for _ in model.buffers()):
+        # What DDP does with buffers (BatchNorm's running statistics), which FSDP2 leaves alone:
+        # rank 0's are sent to every rank before each training forward, so the ranks keep one copy.
+        model.register_forward_pre_hook(_broadcast_buffers)
     return model
+
+
+def shard_units(module: nn.Module) -> Iterator[nn.Module]:
+    """The layers `shard` gathers one at a time: `module`'s children that hold parameters, looking
+    inside containers (Sequential, ModuleList, ModuleDict) for theirs."""
+    for child in module.children():
+        if isinstance(child, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            yield from shard_units(child)
+        elif any(True for _ in child.parameters()):
+            yield child
+
+
+def _broadcast_buffers(module: nn.Module, _args) -> None:
+    if module.training and torch.is_grad_enabled():
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
 
 
 def sharded(model: nn.Module) -> bool:
@@ -360,15 +397,21 @@ def sharded(model: nn.Module) -> bool:
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """`module`'s state dict with every sharded tensor gathered whole (a collective: every rank
-    calls it, in the same order), so what is saved or compared is the whole model, as other modes'."""
+    """`module`'s state dict whole: fsdp's shards gathered one tensor at a time (a collective: every
+    rank calls it, in the same order) and kept, on the CPU, by rank 0 alone (the others get {}), so
+    no rank ever holds the whole model on its device. Other modes' state dict as it is."""
     from torch.distributed.tensor import DTensor
 
     state = module.state_dict()
+    if not any(isinstance(value, DTensor) for value in state.values()):
+        return state
+    keep = dist.get_rank() == 0
+    whole = {}
     for key, value in state.items():
-        if isinstance(value, DTensor):
-            state[key] = value.full_tensor()
-    return state
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        if keep:
+            whole[key] = value.cpu()
+    return whole
 
 
 @contextmanager

@@ -79,3 +79,49 @@ def test_fsdp_trains_what_one_device_trains(tmp_path, singles, world):
         assert runs[0]["reduce_scatters"] > 0 and runs[1]["reduce_scatters"] == runs[0]["reduce_scatters"]
         if world > 2:  # the clipped training moved elsewhere than the unclipped one
             assert relative_difference(runs[0]["weights"], runs[2]["weights"]) > 1e-3
+
+
+def short_last_batch_rank(r: int, world: int, out) -> None:
+    """fsdp with more micro-batches than the short last batch gives some ranks samples: batch 12 on 3
+    ranks (4 each) in 4 micro-batches, and 125 images end on a batch of 5 (2/2/1), so a rank holds
+    an empty micro-batch there that another rank has a sample in. Every forward gathers weights: the
+    ranks must run as many, or wait on each other for good."""
+    cfg = dataclasses.replace(train_config(batch_size=12), grad_accum_steps=4)
+    run = Training(cfg, "fsdp", Rank(r, r, world, world), torch.device("cpu"), rank_dir(out, r))
+    model, history = train(run, learnable_data(125), learnable_data(31, seed=1))
+    if r == 0:
+        torch.save({"weights": model.state_dict(), "history": history}, out / "fsdp.pt")
+
+
+def test_fsdp_accumulates_over_a_short_last_batch_that_leaves_a_rank_empty_parts(tmp_path):
+    single, history = train(Training(dataclasses.replace(train_config(batch_size=12), grad_accum_steps=1), "single",
+                                     Rank(), torch.device("cpu"), rank_dir(tmp_path / "single", 0)),
+                            learnable_data(125), learnable_data(31, seed=1))
+    run_ranks(3, short_last_batch_rank, tmp_path)
+    fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+    assert relative_difference(single.state_dict(), fsdp["weights"]) < 1e-4
+    assert fsdp["history"][0]["train_loss"] == pytest.approx(history[0]["train_loss"], rel=1e-5)
+
+
+def hybrid_rank(r: int, world: int, out) -> None:
+    """Rank r of 4, as 2 nodes of 2 workers (torchrun numbers a node's workers in a row): fsdp
+    sharded in full over the 4, then hybrid, sharded within each node and replicated across the two."""
+    for sharding in ("full", "hybrid"):
+        cfg = dataclasses.replace(BASE, fsdp_sharding=sharding)
+        run = Training(cfg, "fsdp", Rank(r, r % 2, world, 2), torch.device("cpu"), rank_dir(out / sharding, r))
+        model, history = train(run, *data())
+        if r == 0:
+            torch.save({"weights": model.state_dict(), "history": history}, out / f"{sharding}.pt")
+
+
+def test_hybrid_sharding_shards_within_a_node_and_replicates_across_nodes(tmp_path, singles):
+    """The 2-D mesh as the tests' two hosts would have it, on one: what it trains is one device's, and
+    each rank holds half of the model's state (its node's share), not a quarter as when sharded over
+    all 4. (On two real hosts: tests/test_multinode.py.)"""
+    run_ranks(4, hybrid_rank, tmp_path)
+    full, hybrid = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("full", "hybrid"))
+    for trained in (full, hybrid):
+        assert relative_difference(singles["base"]["weights"], trained["weights"]) < 1e-4
+    full_mb, hybrid_mb = full["history"][0]["rank_state_mb"], hybrid["history"][0]["rank_state_mb"]
+    assert len(hybrid_mb) == 4 and len(set(hybrid_mb)) <= 2  # each node's two ranks: its halves
+    assert 1.8 < sum(hybrid_mb) / sum(full_mb) < 2.2, (hybrid_mb, full_mb)

@@ -180,17 +180,18 @@ def resnet(norm: str) -> WorkloadConfig:
 
 def _ddp_each_norm(r: int, world: int, norms: list[str], train_split: DeviceSplit, val_split: DeviceSplit,
                    out: Path) -> None:
-    for norm in norms:
-        run = Training(train_config(16, epochs=2), "ddp", Rank(r, r, world, world), CPU, rank_dir(out / norm, r),
-                       workload=resnet(norm))
+    for norm, mode in [*((norm, "ddp") for norm in norms), ("batch", "fsdp")]:
+        run = Training(train_config(16, epochs=2), mode, Rank(r, r, world, world), CPU,
+                       rank_dir(out / mode / norm, r), workload=resnet(norm))
         model, _ = train(run, train_split, val_split)
         if r == 0:
-            torch.save(model.state_dict(), out / f"{norm}.pt")
+            torch.save(model.state_dict(), out / f"{norm}{'-fsdp' if mode == 'fsdp' else ''}.pt")
 
 
 def test_group_norm_keeps_single_equal_to_ddp_and_batch_norm_does_not(tmp_path):
     """Said in docs/workloads.md: GroupNorm normalises each sample alone, so 2 DDP ranks add up to
-    one device; BatchNorm normalises each rank's share by its own statistics, another function."""
+    one device; BatchNorm normalises each rank's share by its own statistics, another function, the
+    same under fsdp as under ddp."""
     train_split, val_split = small_images(96, 0), small_images(20, 1)
     norms = ["group", "batch"]
     run_ranks(2, _ddp_each_norm, norms, train_split, val_split, tmp_path)
@@ -203,6 +204,10 @@ def test_group_norm_keeps_single_equal_to_ddp_and_batch_norm_does_not(tmp_path):
             assert apart < 1e-4, apart
         else:
             assert apart > 1e-3, apart
+    # fsdp, its ResNet blocks sharded one by one, trains what ddp trains, BatchNorm's statistics too
+    # (rank 0's, sent to every rank before each training forward, as DDP sends them).
+    ddp, fsdp = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("batch", "batch-fsdp"))
+    assert any("running_mean" in key for key in fsdp) and relative_difference(ddp, fsdp) < 1e-4
 
 
 @pytest.mark.fast

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import (
     ROOT,
@@ -149,17 +150,18 @@ def node_dirs(project: Path, root: Path) -> list[Path]:
     return dirs
 
 
-def train_on_two_hosts(hosts, dirs: list[Path], uri: str, logs: Path, **env: str) -> list[str]:
-    """One torchrun agent per host, as a user would start them by hand (README, "Beyond one
-    machine"); returns each host's output."""
+def train_on_two_hosts(hosts, dirs: list[Path], uri: str, logs: Path, mode: str = "ddp", nproc: int = 1,
+                       **env: str) -> list[str]:
+    """One torchrun agent per host, `nproc` workers each, as a user would start them by hand (README,
+    "Beyond one machine"); returns each host's output."""
     job = uuid.uuid4().hex[:8]
     procs = []
     for host, folder in zip(hosts, dirs):
         is_host = int(host is hosts[0])
-        argv = ["torchrun", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+        argv = ["torchrun", "--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{hosts[0].address}:{RDZV_PORT}", "--rdzv-id", job,
                 "--rdzv-conf", f"is_host={is_host}", "--local-addr", host.address, "--max-restarts", "1",
-                "-m", "stages", "train", "--mode", "ddp"]
+                "-m", "stages", "train", "--mode", mode]
         procs.append(host.popen(argv, cwd=folder, log=logs / f"{host.name}.log", env=subprocess_env(
             **project_env(folder, GLOO_SOCKET_IFNAME=INTERFACE, MLFLOW_TRACKING_URI=uri, **CREDENTIALS, **env))))
     outputs = []
@@ -175,9 +177,9 @@ def train_on_two_hosts(hosts, dirs: list[Path], uri: str, logs: Path, **env: str
     return outputs
 
 
-def rank0_dir(dirs: list[Path]) -> Path:
+def rank0_dir(dirs: list[Path], mode: str = "ddp") -> Path:
     """The node whose disk holds the outputs: wherever rank 0 ran."""
-    (found,) = [d for d in dirs if (d / "models/ddp/model.pt").is_file()]
+    (found,) = [d for d in dirs if (d / "models" / mode / "model.pt").is_file()]
     return found
 
 
@@ -213,6 +215,33 @@ def test_ddp_on_two_hosts_matches_single_and_logs_every_rank_to_one_server(hosts
     nodes = {key.split("/")[1] for key in parent["metrics"] if key.startswith("system/")}
     assert nodes == {"node-a", "node-b"}
     assert {"val_accuracy", "samples_per_s"} <= set(parent["metrics"])
+
+
+def test_hybrid_fsdp_on_two_hosts_shards_within_each_and_replicates_across(hosts, tracking_server, uninterrupted,
+                                                                           small_project, tmp_path):
+    """train.fsdp_sharding: hybrid over 2 hosts of 2 workers: a 2-D mesh, each host's pair sharding
+    the model between them and the two hosts replicas of each other. It trains what one device
+    trains; each rank holds half of what each ddp rank holds whole; every rank has its run."""
+    dirs = node_dirs(small_project, tmp_path)
+    for folder in dirs:
+        params = folder / "params.yaml"
+        raw = yaml.safe_load(params.read_text())
+        raw["train"]["fsdp_sharding"] = "hybrid"
+        params.write_text(yaml.safe_dump(raw, sort_keys=False))
+    train_on_two_hosts(hosts, dirs, tracking_server, tmp_path, mode="fsdp", nproc=2)
+    main = rank0_dir(dirs, "fsdp")
+    if not (small_project / "models/single/model.pt").is_file():
+        train_cli(small_project, "single")
+    assert relative_difference(load_weights(small_project, "single"), load_weights(main, "fsdp")) < 1e-3
+    summary = json.loads((main / "results/train/fsdp.json").read_text())
+    assert (summary["world_size"], summary["nodes"], summary["procs_per_node"]) == (4, 2, 2)
+    ddp = json.loads((rank0_dir(uninterrupted[0]) / "results/train/ddp.json").read_text())
+    assert 0.45 * ddp["state_mb_per_rank"] < summary["state_mb_per_rank"] <= 0.55 * ddp["state_mb_per_rank"]
+    runs = server_runs(hosts[0], tracking_server)
+    (parent,) = [r for r in runs if r["name"] == "fsdp" and PARENT not in r["tags"]]
+    children = [r for r in runs if r["tags"].get(PARENT) == parent["id"]]
+    assert parent["status"] == "FINISHED" and sorted(c["tags"]["rank"] for c in children) == ["0", "1", "2", "3"]
+    assert {c["tags"]["host"] for c in children} == {"node-a", "node-b"}
 
 
 def test_a_crash_with_node_local_disks_resumes_to_the_uninterrupted_weights(hosts, tracking_server, uninterrupted,

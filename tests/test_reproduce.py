@@ -16,6 +16,7 @@ from mlflow import MlflowClient
 
 from pipeline import record
 from pipeline import reproduce as remake
+from pipeline.config import MODES  # fsdp too: every mode is re-made
 from pipeline.tracking.store import sqlite_uri
 from tests.conftest import (REFUSE_CUDA, ROOT, SMALL, build_stand_in_driver, commit_notes, edit_notes, free_port,
                             make_project, prepare, project_env, run, scaled, subprocess_env, train_cli, write_tiny_mnist)
@@ -64,7 +65,7 @@ def trained(tmp_path_factory, mnist_dir) -> Path:
     project = make_project(tmp_path_factory.mktemp("reproduce") / "proj",
                            {**SMALL, "tracking": {"registered_model": REGISTERED}})
     prepare(project, mnist_dir)
-    for mode in ("single", "dp", "ddp"):
+    for mode in MODES:
         train_cli(project, mode)
     return project
 
@@ -89,7 +90,7 @@ def registry(client: MlflowClient) -> tuple[dict, dict]:
     return versions, aliases
 
 
-@pytest.mark.parametrize("mode", ["single", "dp", "ddp"])
+@pytest.mark.parametrize("mode", MODES)
 def test_each_mode_is_remade_bit_for_bit(trained, mode):
     """Each named by its run's id, and single by the mode's name, which names the workspace's last
     training of it, not the store's newest run of the mode (one reproduction holds both: each is a
@@ -98,7 +99,7 @@ def test_each_mode_is_remade_bit_for_bit(trained, mode):
     original = parent_of(trained, mode)
     client = client_of(trained)
     before_registry = registry(client)
-    assert len(before_registry[0]) == 3 and set(before_registry[1]) == {"single", "dp", "ddp"}
+    assert len(before_registry[0]) == len(MODES) and set(before_registry[1]) == set(MODES)
     if mode == "single":  # a newer finished run of the mode in the store, which the name must not find
         decoy = client.create_run(client.get_run(original).info.experiment_id, run_name="single",
                                   tags={"mode": "single"}).info.run_id
@@ -118,9 +119,9 @@ def test_each_mode_is_remade_bit_for_bit(trained, mode):
     assert remade.info.run_name == mode and remade.info.experiment_id == client.get_run(original).info.experiment_id
     for key in ("world_size", "device_type", "code_sha256", "params_sha256", "data_sha256", "weights_sha256"):
         assert remade.data.tags[key] == tags[key], key
-    if mode == "ddp":  # through its launcher: a run per rank again
+    if mode in ("ddp", "fsdp"):  # through its launcher: a run per rank again
         ranks = client.search_runs([remade.info.experiment_id], f"tags.mlflow.parentRunId = '{remade.info.run_id}'")
-        assert sorted(r.info.run_name for r in ranks) == ["ddp/rank-0", "ddp/rank-1"]
+        assert sorted(r.info.run_name for r in ranks) == [f"{mode}/rank-0", f"{mode}/rank-1"]
 
 
 def test_a_cpu_run_is_remade_on_a_gpu_host_whose_gpus_are_hidden_as_advised(trained, tmp_path):
@@ -277,6 +278,7 @@ def test_the_devices_a_run_used_are_read_from_its_record():
         return remake.devices_used(remake.Recorded("r", mode, {"world_size": world}, {"batch_shares": shares}, "", b""))
 
     assert used("ddp", "24", "6x8/5x16") == 24 and used("single", "1", "128") == 1
+    assert used("fsdp", "3", "43/43/42") == 3
     assert used("dp", "1", "43/43/42") == 3 and used("dp", "1", "6x8/5x16") == 24
 
 

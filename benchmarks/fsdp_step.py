@@ -1,0 +1,80 @@
+"""fsdp against ddp, side by side in one run: each one's step time and each rank's weights,
+gradients and optimizer state (#56).
+
+Both train the same model on the same global batches through the stage (`mnist-pipeline train
+--mode ddp`, then `--mode fsdp`, alternating, `--repeats` times each) in a copy of the project, with
+params.yaml's settings but tracking off and the workers given by `--nproc`. The step time is the
+median over the repeats of each run's measured median step (results/breakdown/<mode>.json, the
+rank slowest at each step), beside the whole epoch's mean step; the state is each mode's largest
+rank's, in MiB (results/train/<mode>.json).
+
+What it does not give yet: the scaling model's prediction for fsdp (pipeline/scaling.py knows
+ddp's all-reduce only), so ddp's prediction is not printed either.
+
+    MNIST_SOURCE=../shared/data/mnist .venv/bin/python benchmarks/fsdp_step.py [--repeats 3] [--nproc 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline_overhead import copy_project  # noqa: E402
+
+MODES = ("ddp", "fsdp")
+
+
+def train(project: Path, mode: str) -> dict:
+    subprocess.run(["mnist-pipeline", "train", "--mode", mode], cwd=project, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    summary = json.loads((project / "results/train" / f"{mode}.json").read_text())
+    breakdown = json.loads((project / "results/breakdown" / f"{mode}.json").read_text())
+    medians = [rank["median_s"]["step"] for rank in breakdown["ranks"] if "median_s" in rank]
+    return {"step_ms": 1000 * max(medians) if medians else None,
+            "mean_step_ms": 1000 * summary["steady_step_s"] if summary.get("steady_step_s") else None,
+            "state_mb": summary["state_mb_per_rank"], "world": summary["world_size"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--train-limit", type=int, default=12000, help="data.train_limit: images an epoch")
+    args = parser.parse_args()
+    if os.environ.get("MNIST_SOURCE"):  # read from the copy's folder: a relative path would miss
+        os.environ["MNIST_SOURCE"] = str(Path(os.environ["MNIST_SOURCE"]).resolve())
+    with tempfile.TemporaryDirectory(prefix="fsdp-bench-") as tmp:
+        project = copy_project(Path(tmp))
+        params = yaml.safe_load((project / "params.yaml").read_text())
+        params["data"]["train_limit"] = args.train_limit
+        params["train"].update({"modes": list(MODES), "nproc": args.nproc, "epochs": 1})
+        params["tracking"]["enabled"] = False
+        (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        subprocess.run(["mnist-pipeline", "prepare"], cwd=project, check=True, stdout=subprocess.DEVNULL)
+        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        for repeat in range(args.repeats):
+            for mode in MODES if repeat % 2 == 0 else MODES[::-1]:  # alternating: a drift hits both
+                runs[mode].append(train(project, mode))
+    print(f"{'mode':<6} {'ranks':>5} {'median step ms':>15} {'mean step ms':>13} {'state MiB/rank':>15}")
+    row = {}
+    for mode in MODES:
+        row[mode] = {key: statistics.median(r[key] for r in runs[mode] if r[key] is not None)
+                     for key in ("step_ms", "mean_step_ms", "state_mb")}
+        print(f"{mode:<6} {runs[mode][0]['world']:>5} {row[mode]['step_ms']:>15.2f} {row[mode]['mean_step_ms']:>13.2f} "
+              f"{row[mode]['state_mb']:>15.4f}")
+    print(f"fsdp / ddp: step {row['fsdp']['step_ms'] / row['ddp']['step_ms']:.2f}x, "
+          f"state per rank {row['fsdp']['state_mb'] / row['ddp']['state_mb']:.2f}x "
+          f"(median of {args.repeats} trainings each, alternating)")
+
+
+if __name__ == "__main__":
+    main()
