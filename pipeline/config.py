@@ -19,8 +19,8 @@ import yaml
 from pipeline.errors import ConfigError
 
 MODES = ("single", "dp", "ddp", "fsdp")
-DEFAULT_MODES = MODES[:3]
-FSDP_SHARDING = ("full", "hybrid")  # what params.yaml trains: fsdp is asked for (docs/ddp.md)
+DEFAULT_MODES = MODES[:3]  # what params.yaml trains: fsdp is asked for (docs/ddp.md)
+FSDP_SHARDING = ("full", "hybrid")
 # The modes that train in several processes, one per device, each a rank of one process group:
 # DistributedDataParallel's copies of the model, and FSDP2's shards of it (fully_shard).
 DISTRIBUTED = ("ddp", "fsdp")

@@ -44,6 +44,7 @@ from pipeline.optim import build_optimizer, build_schedule
 from pipeline.parallel import (
     Rank,
     all_gather_objects,
+    broadcast_buffers,
     broadcast_object,
     dp_device_count,
     check_world_size,
@@ -354,6 +355,7 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
         losses[:start] = partial["losses"].to(device)
         shares = list(partial["shares"])
     pause = pause_asked()
+    sync_buffers = sharded(wrapped)  # fsdp: the ranks' BatchNorm statistics kept one, as DDP keeps them
     wrapped.train()
     # Each step's micro-batches of this rank's share, all decided now: a DataLoader reads ahead.
     step_parts = [micro_batches(rank_share(batch, rank), grad_accum_steps, keep_empty=sharded(wrapped))
@@ -365,6 +367,8 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
         parts = [next(feed) for _ in part_indices]
         probe.phase("forward")
         step_losses = None  # the share's summed loss
+        if sync_buffers:
+            broadcast_buffers(wrapped)
         for j, (inputs, targets) in enumerate(parts):
             last = j == len(parts) - 1
             with nullcontext() if last else gradient_sync_held(wrapped):
@@ -472,6 +476,13 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
             scaler.load_state_dict(state["scaler"])
         start_epoch, history = state["epoch"], state["history"]
         partial = in_epoch_part(state, rank, run.out_dir / CHECKPOINT_FILE)
+    if run.mode == "fsdp" and run.resume_state is not None \
+            and run.resume_state.get("replicas", 1) != replicas(run):
+        raise PipelineError(
+            f"fsdp: {run.out_dir / CHECKPOINT_FILE} was trained with {run.resume_state.get('replicas', 1)} replica(s) of "
+            f"the model (train.fsdp_sharding: hybrid, one a node), and this training has {replicas(run)}: its "
+            "gradients would be summed in another order, and the resume would not end where the training would "
+            f"have; resume on as many nodes of {rank.local_world_size} workers, or train afresh without --resume")
     wrapped = wrap_for_mode(model, config, device, run.mode, nodes(rank))
     if run.mode == "fsdp":  # sharding made new parameters: the optimizer steps those, each rank its shards
         optimizer = build_optimizer(wrapped.parameters(), config)
@@ -617,6 +628,8 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
                                 and shares[i]],
             }
             history.append(metrics)
+            if sharded(wrapped):  # evaluation's forwards leave the root's own parameters gathered
+                wrapped.reshard()
             state = checkpoint_state(model, wrapped, optimizer, scheduler, scaler, epoch + 1, history, config, run)
             if rank.is_main:
                 report_epoch(run.mode, config.epochs, metrics)
@@ -672,6 +685,9 @@ def checkpoint_state(model: nn.Module, wrapped: nn.Module, optimizer, scheduler,
     """What a checkpoint holds, made on every rank (fsdp's gathers its shards: a collective) and
     written by rank 0: the whole model and optimizer state, whatever the mode."""
     return {
+        # fsdp: how many replicas (nodes, under hybrid sharding) summed each gradient: a resume in
+        # another layout would sum them in another order.
+        **({"replicas": replicas(run)} if sharded(wrapped) else {}),
         "model": full_state_dict(model),
         "optimizer": optimizer.state_dict() if not sharded(wrapped) else whole_optimizer_state(model, optimizer),
         "scheduler": scheduler.state_dict(),
@@ -681,6 +697,11 @@ def checkpoint_state(model: nn.Module, wrapped: nn.Module, optimizer, scheduler,
         "trajectory": trajectory(config, run.mode, run.workload),
         "extra": run.extra_state,
     }
+
+
+def replicas(run: Training) -> int:
+    """fsdp's replicas of the model: the nodes under train.fsdp_sharding: hybrid, else 1."""
+    return nodes(run.rank) if run.config.fsdp_sharding == "hybrid" else 1
 
 
 def whole_optimizer_state(model: nn.Module, optimizer) -> dict[str, Any]:

@@ -356,7 +356,12 @@ def shard(model: nn.Module, device: torch.device, replicas: int = 1) -> nn.Modul
 
     world = dist.get_world_size()
     if replicas > 1:
+        if world % replicas:
+            raise PipelineError(f"fsdp: train.fsdp_sharding: hybrid needs as many workers on each of the {replicas} "
+                                f"nodes, but {world} ranks do not divide by {replicas}")
         mesh = init_device_mesh(device.type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+        for group in mesh.get_all_groups():  # made with the backend's default timeout (30 min on gloo)
+            dist.set_timeout(PROCESS_GROUP_TIMEOUT, group)
     else:
         mesh = init_device_mesh(device.type, (world,))
     # FSDP2 shards contiguous parameters only: channels_last (conv weights, on GPUs) goes back to
@@ -366,10 +371,6 @@ def shard(model: nn.Module, device: torch.device, replicas: int = 1) -> nn.Modul
     for unit in shard_units(network):
         fully_shard(unit, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    if any(True for _ in model.buffers()):
-        # What DDP does with buffers (BatchNorm's running statistics), which FSDP2 leaves alone:
-        # rank 0's are sent to every rank before each training forward, so the ranks keep one copy.
-        model.register_forward_pre_hook(_broadcast_buffers)
     return model
 
 
@@ -383,10 +384,17 @@ def shard_units(module: nn.Module) -> Iterator[nn.Module]:
             yield child
 
 
-def _broadcast_buffers(module: nn.Module, _args) -> None:
-    if module.training and torch.is_grad_enabled():
-        for buffer in module.buffers():
-            dist.broadcast(buffer, src=0)
+# DDP's bucket size for its own broadcast of the buffers (DistributedDataParallel's _sync_buffers).
+BUFFER_BUCKET_BYTES = 250 * 2**20
+
+
+def broadcast_buffers(model: nn.Module) -> None:
+    """What DDP does with buffers (BatchNorm's running statistics) and FSDP2 does not: rank 0's
+    sent to every rank, coalesced, before a step's first forward (DDP's rule: after a forward that
+    synced gradients), so the ranks go on from one copy. Nothing without buffers."""
+    buffers = list(model.buffers())
+    if buffers:
+        dist._broadcast_coalesced(dist.group.WORLD, buffers, BUFFER_BUCKET_BYTES, 0)
 
 
 def sharded(model: nn.Module) -> bool:

@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pipeline.checkpoint import CHECKPOINT_FILE, read_checkpoint
+from pipeline.errors import PipelineError
 from pipeline.loop import Training, train
 from pipeline.parallel import Rank
 from tests.conftest import relative_difference
@@ -112,6 +114,14 @@ def hybrid_rank(r: int, world: int, out) -> None:
         model, history = train(run, *data())
         if r == 0:
             torch.save({"weights": model.state_dict(), "history": history}, out / f"{sharding}.pt")
+    # Its checkpoint, resumed by 4 workers on one node: 1 replica, not 2, so refused before any step.
+    state = read_checkpoint(out / "hybrid" / "rank-0" / CHECKPOINT_FILE)
+    run = Training(cfg, "fsdp", Rank(r, r, world, world), torch.device("cpu"), rank_dir(out / "hybrid", r),
+                   resume_state=state)
+    with pytest.raises(PipelineError) as refused:
+        train(run, *data())
+    if r == 0:
+        (out / "refused.txt").write_text(str(refused.value))
 
 
 def test_hybrid_sharding_shards_within_a_node_and_replicates_across_nodes(tmp_path, singles):
@@ -125,3 +135,5 @@ def test_hybrid_sharding_shards_within_a_node_and_replicates_across_nodes(tmp_pa
     full_mb, hybrid_mb = full["history"][0]["rank_state_mb"], hybrid["history"][0]["rank_state_mb"]
     assert len(hybrid_mb) == 4 and len(set(hybrid_mb)) <= 2  # each node's two ranks: its halves
     assert 1.8 < sum(hybrid_mb) / sum(full_mb) < 2.2, (hybrid_mb, full_mb)
+    assert "was trained with 2 replica(s) of the model (train.fsdp_sharding: hybrid, one a node), and this training " \
+           "has 1" in (tmp_path / "refused.txt").read_text()
