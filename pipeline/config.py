@@ -24,10 +24,6 @@ FSDP_SHARDING = ("full", "hybrid")
 # The modes that train in several processes, one per device, each a rank of one process group:
 # DistributedDataParallel's copies of the model, and FSDP2's shards of it (fully_shard).
 DISTRIBUTED = ("ddp", "fsdp")
-
-
-def distributed(mode: str | None) -> bool:
-    return mode in DISTRIBUTED
 LAUNCHERS = ("local", "slurm")
 DEVICES = ("auto", "cuda", "cpu")
 OPTIMIZERS = ("adam", "adamw", "sgd")  # built by pipeline.optim
@@ -68,6 +64,10 @@ class DataConfig:
                 f"(training set: {available}); allowed: data.val_size < "
                 f"{'data.train_limit' if self.train_limit else MNIST_TRAIN_SIZE}"
             )
+
+
+def distributed(mode: str | None) -> bool:
+    return mode in DISTRIBUTED
 
 
 @dataclass(frozen=True)

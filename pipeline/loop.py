@@ -355,10 +355,12 @@ def run_epoch(wrapped: nn.Module, optimizer, scheduler, data: Data, order: torch
         losses[:start] = partial["losses"].to(device)
         shares = list(partial["shares"])
     pause = pause_asked()
-    sync_buffers = sharded(wrapped)  # fsdp: the ranks' BatchNorm statistics kept one, as DDP keeps them
+    # fsdp: the ranks' BatchNorm statistics kept one, as DDP keeps them; and every micro-batch run, empty
+    # ones too, as each forward gathers the weights.
+    sync_buffers = sharded(wrapped)
     wrapped.train()
     # Each step's micro-batches of this rank's share, all decided now: a DataLoader reads ahead.
-    step_parts = [micro_batches(rank_share(batch, rank), grad_accum_steps, keep_empty=sharded(wrapped))
+    step_parts = [micro_batches(rank_share(batch, rank), grad_accum_steps, keep_empty=sync_buffers)
                   for batch in batches[start:]]
     feed = data.feed((part for parts in step_parts for part in parts), epoch=epoch)  # epoch: its augmentation
     for i, (batch, part_indices) in enumerate(tqdm(zip(batches[start:], step_parts), desc=desc, disable=not show_bar,

@@ -406,8 +406,8 @@ def sharded(model: nn.Module) -> bool:
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     """`module`'s state dict whole: fsdp's shards gathered one tensor at a time (a collective: every
-    rank calls it, in the same order) and kept, on the CPU, by rank 0 alone (the others get {}), so
-    no rank ever holds the whole model on its device. Other modes' state dict as it is."""
+    rank calls it, in the same order) and kept, on the CPU, by rank 0 alone (the others get {}): a
+    device holds one whole tensor at a time, never the whole model. Other modes' state dict as it is."""
     from torch.distributed.tensor import DTensor
 
     state = module.state_dict()

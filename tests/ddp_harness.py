@@ -56,11 +56,11 @@ def rank_dir(out: Path, r: int) -> Path:
 
 
 def train_each(r: int, world: int, configs: list[TrainConfig], train_split: DeviceSplit, val_split: DeviceSplit,
-               out: Path) -> None:
-    """Rank r of a DDP training under each config in turn; rank 0 saves config i's weights and
-    history to out/<i>.pt. (The loop raises if the ranks' weights ever differ.)"""
+               out: Path, mode: str = "ddp") -> None:
+    """Rank r of a DDP (or `mode`) training under each config in turn; rank 0 saves config i's
+    weights and history to out/<i>.pt. (The loop raises if the ranks' weights ever differ.)"""
     for i, cfg in enumerate(configs):
-        run = Training(cfg, "ddp", Rank(r, r, world, world), torch.device("cpu"), rank_dir(out / str(i), r))
+        run = Training(cfg, mode, Rank(r, r, world, world), torch.device("cpu"), rank_dir(out / str(i), r))
         model, history = train(run, train_split, val_split)
         if r == 0:
             torch.save({"weights": model.state_dict(), "history": history}, out / f"{i}.pt")

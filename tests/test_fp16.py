@@ -99,3 +99,17 @@ def test_fp16_ddp_trains_what_one_device_trains_while_no_step_overflows(tmp_path
     print(f"fp16, 2 ranks: relative |single - ddp| {difference:.2e}; |fp16 - float32| {from_float32:.2e}")
     assert difference < 2e-3
     assert from_float32 > 5 * difference  # it did train in fp16: the bound tells it from float32
+
+    # fsdp the same, through what only a GPU's bf16 otherwise takes: the autocast wrapper around the
+    # sharded network (pipeline.precision), and GradScaler over sharded gradients, whose overflow
+    # DTensor agrees on over the ranks (the overflowing training backs off alike, without a hang).
+    run_ranks(2, train_each, [calm, overflowing], train_split, val_split, tmp_path / "fsdp", "fsdp")
+    fsdp = torch.load(tmp_path / "fsdp" / "0.pt", weights_only=True)
+    assert [epoch["loss_scale"] for epoch in fsdp["history"]] == [FRESH_SCALE] * 2
+    assert relative_difference(model.state_dict(), fsdp["weights"]) < 2e-3
+    backed_off = torch.load(tmp_path / "fsdp" / "1.pt", weights_only=True)["history"]
+    assert [epoch["loss_scale"] for epoch in backed_off] == [epoch["loss_scale"] for epoch in
+                                                            torch.load(tmp_path / "ddp" / "1.pt", weights_only=True)["history"]]
+    # The checkpoint's optimizer state is keyed by the network's own names, not the wrapper's.
+    saved = read_checkpoint(tmp_path / "fsdp" / "0" / "rank-0" / CHECKPOINT_FILE)
+    assert set(saved["optimizer"]["state"]) == set(saved["model"]) == set(model.state_dict())

@@ -57,8 +57,6 @@ def test_fsdp_matches_single_and_saves_the_whole_model(small_project):
     # The optimizer's state is whole too (keyed by the parameters' names): Adam's moments of every weight.
     assert {key: value.shape for key, value in state["optimizer"]["state"]["0.weight"].items()
             if key != "step"} == {"exp_avg": single["0.weight"].shape, "exp_avg_sq": single["0.weight"].shape}
-    for epoch in state["history"]:  # the gathered weights, checked equal on both ranks after each epoch
-        assert len(epoch["rank_weight_checksums"]) == 2 and len(set(epoch["rank_weight_checksums"])) == 1
 
 
 def test_dp_on_cpu_is_the_bare_module_and_matches_single(small_project):
