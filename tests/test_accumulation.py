@@ -74,7 +74,9 @@ class AllReduceCount:
 
 
 def ddp_rank(r: int, world: int, configs: list[TrainConfig], train_split, val_split, out) -> None:
-    train_each(r, world, configs, train_split, val_split, out)
+    # The whole DDP training under the last config alone (out/0.pt): the first's, without
+    # accumulation, is compared with nothing.
+    train_each(r, world, configs[-1:], train_split, val_split, out)
     # One epoch of the loop's steps with a counting hook: all-reduces a step, with and without accumulation.
     counts = []
     for cfg in configs:
@@ -106,7 +108,7 @@ def test_accumulation_trains_what_one_pass_trains_on_one_device_and_in_ddp(tmp_p
         single[name] = train(Training(cfg, "single", Rank(), torch.device("cpu"), folder), train_split, val_split)
     weights = {"single": single["plain"][0].state_dict(),
                "single, accumulated": single["accumulated"][0].state_dict(),
-               "ddp, accumulated": torch.load(tmp_path / "ddp" / "1.pt", weights_only=True)["weights"]}
+               "ddp, accumulated": torch.load(tmp_path / "ddp" / "0.pt", weights_only=True)["weights"]}
     for name in ("single, accumulated", "ddp, accumulated"):
         difference = relative_difference(weights["single"], weights[name])
         print(f"{name} ({ACCUMULATED} micro-batches) against single: relative difference {difference:.2e}")

@@ -97,12 +97,31 @@ def test_with_the_comm_timer_apart_the_model_replaces_the_all_reduce_the_steps_w
     assert predicted["predicted_step_s"] == pytest.approx(0.018 - 0.003 + model)
 
 
-def _train(r: int, world: int, out: str, breakdown_steps: int, repeats: int = 1) -> None:
-    from pipeline import breakdown
+BUCKET_SETTINGS = ((0, 1), (6, 1), (3, 2))  # (breakdown_steps, breakdown_repeats): off, one window, two
+
+
+def _train(r: int, world: int, out: Path, breakdown_steps: int, repeats: int, hooked_steps: list) -> None:
     from pipeline.loop import Training, train, weight_checksum
     from pipeline.parallel import Rank
 
-    hooked_steps = []  # the step of each call DDP makes to the comm hook
+    config = dataclasses.replace(train_config(60), breakdown_steps=breakdown_steps, trace_steps=2,
+                                 throughput_warmup_steps=2, breakdown_repeats=repeats)
+    folder = rank_dir(out, r)
+    model, history = train(Training(config, "ddp", Rank(r, r, world, world), torch.device("cpu"), folder),
+                           learnable_data(60 * 12), learnable_data(30, seed=1))
+    result = {"checksum": weight_checksum(model), "breakdown": history[-1].get("breakdown"),
+              "trace": sorted(p.name for p in (folder / "traces").glob("*.json")), "hooked_steps": hooked_steps,
+              "steady_steps": history[-1]["steady_steps"]}
+    (folder / f"result-{breakdown_steps}-{repeats}.json").write_text(json.dumps(result))
+
+
+def _train_every_setting(r: int, world: int, out: str) -> None:
+    """Rank r of each DDP training this module's tests read, one after the other in one group of 3
+    ranks: the ranks' start (torch's imports, three processes) is paid once, not once a training.
+    Each training seeds its weights and makes its data anew, so the one before it changes nothing."""
+    from pipeline import breakdown
+
+    hooked_steps = []  # the step of each call DDP makes to the comm hook, in the training at hand
     hook = breakdown.CommTimer.hook
 
     def counted(self, state, bucket):
@@ -110,15 +129,21 @@ def _train(r: int, world: int, out: str, breakdown_steps: int, repeats: int = 1)
         return hook(self, state, bucket)
 
     breakdown.CommTimer.hook = counted
-    config = dataclasses.replace(train_config(60), breakdown_steps=breakdown_steps, trace_steps=2,
-                                 throughput_warmup_steps=2, breakdown_repeats=repeats)
-    folder = rank_dir(Path(out), r)
-    model, history = train(Training(config, "ddp", Rank(r, r, world, world), torch.device("cpu"), folder),
-                           learnable_data(60 * 12), learnable_data(30, seed=1))
-    result = {"checksum": weight_checksum(model), "breakdown": history[-1].get("breakdown"),
-              "trace": sorted(p.name for p in (folder / "traces").glob("*.json")), "hooked_steps": hooked_steps,
-              "steady_steps": history[-1]["steady_steps"]}
-    (folder / f"result-{breakdown_steps}-{repeats}.json").write_text(json.dumps(result))
+    try:
+        for steps, repeats in BUCKET_SETTINGS:  # into one folder a rank, as one after the other they would
+            hooked_steps.clear()
+            _train(r, world, Path(out) / "buckets", steps, repeats, hooked_steps)
+    finally:
+        breakdown.CommTimer.hook = hook
+    _train_with_a_slow_profiler(r, world, str(Path(out) / "slow-profiler"))
+
+
+@pytest.fixture(scope="module")
+def ddp_trainings(tmp_path_factory) -> Path:
+    """The folder of the module's DDP trainings over gloo (_train_every_setting), read only."""
+    out = tmp_path_factory.mktemp("breakdown")
+    run_ranks(3, _train_every_setting, str(out))
+    return out
 
 
 class ModelCudaEvent:
@@ -205,17 +230,15 @@ def test_each_gpu_s_kernels_get_a_lane_of_their_own(tmp_path):
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_ddp_ranks_measure_their_buckets_and_trace_at_an_odd_world_size(tmp_path):
+def test_ddp_ranks_measure_their_buckets_and_trace_at_an_odd_world_size(ddp_trainings):
     """3 ranks: the comm hook keeps DDP's arithmetic (the same weights, bit for bit, as DDP's
     built-in all-reduce), every rank measures its one bucket of the model's gradients, and each
     rank's trace holds gloo's all-reduce beside the phases."""
     from pipeline.model import build_model
 
-    settings = ((0, 1), (6, 1), (3, 2))  # (breakdown_steps, breakdown_repeats)
-    for steps, repeats in settings:
-        run_ranks(3, _train, str(tmp_path), steps, repeats)
-    off, on, apart = [[json.loads((tmp_path / f"rank-{r}" / f"result-{s}-{n}.json").read_text()) for r in range(3)]
-                      for s, n in settings]
+    out = ddp_trainings / "buckets"
+    off, on, apart = [[json.loads((out / f"rank-{r}" / f"result-{s}-{n}.json").read_text()) for r in range(3)]
+                      for s, n in BUCKET_SETTINGS]
     checksums = {r["checksum"] for r in off + on + apart}
     assert len(checksums) == 1, checksums
     assert off[0]["breakdown"] is None
@@ -262,20 +285,24 @@ def _train_with_a_slow_profiler(r: int, world: int, out: str) -> None:
             return export(*args, **kwargs)
 
         breakdown.export_trace = slow_export
-    # 12 steps: warm-up 2, window 4, trace 2, then 4 more whose all-reduce waits for rank 1.
-    config = dataclasses.replace(train_config(60), breakdown_steps=4, trace_steps=2, throughput_warmup_steps=2)
-    _, history = train(Training(config, "ddp", Rank(r, r, world, world), torch.device("cpu"), rank_dir(Path(out), r)),
-                       learnable_data(60 * 12), learnable_data(30, seed=1))
+    try:
+        # 12 steps: warm-up 2, window 4, trace 2, then 4 more whose all-reduce waits for rank 1.
+        config = dataclasses.replace(train_config(60), breakdown_steps=4, trace_steps=2, throughput_warmup_steps=2)
+        _, history = train(Training(config, "ddp", Rank(r, r, world, world), torch.device("cpu"),
+                                    rank_dir(Path(out), r)),
+                           learnable_data(60 * 12), learnable_data(30, seed=1))
+    finally:
+        breakdown.export_trace = export
     (Path(out) / f"times-{r}.json").write_text(json.dumps({k: history[-1][k] for k in
                                                             ("train_time_s", "steady_time_s", "epoch_time_s")}))
 
 
-def test_one_rank_s_slow_profiler_stays_out_of_ddp_s_training_time(tmp_path):
-    """Rank 0 is done with the profiler first and waits for rank 1 at the next step's all-reduce:
-    that wait is profiler time too, so the epoch's training time must not hold it."""
-    run_ranks(2, _train_with_a_slow_profiler, str(tmp_path))
-    times = [json.loads((tmp_path / f"times-{r}.json").read_text()) for r in range(2)]
-    assert times[0] == times[1]  # one figure for the epoch, on every rank
+def test_one_rank_s_slow_profiler_stays_out_of_ddp_s_training_time(ddp_trainings):
+    """Ranks 0 and 2 are done with the profiler first and wait for rank 1 at the next step's
+    all-reduce: that wait is profiler time too, so the epoch's training time must not hold it."""
+    out = ddp_trainings / "slow-profiler"
+    times = [json.loads((out / f"times-{r}.json").read_text()) for r in range(3)]
+    assert times[0] == times[1] == times[2]  # one figure for the epoch, on every rank
     # The epoch's wall time holds the slow export; the training time and the steady time must not.
     assert times[0]["epoch_time_s"] - times[0]["train_time_s"] >= 0.9 * EXPORT_DELAY_S, times[0]
     assert times[0]["epoch_time_s"] - times[0]["steady_time_s"] >= 0.9 * EXPORT_DELAY_S, times[0]

@@ -1,6 +1,8 @@
 """`mnist-pipeline commcheck`: every primitive checked with closed-form values and timed."""
 
+import dataclasses
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,23 +22,53 @@ def project(tmp_path_factory):
                         {"commcheck": {"max_bytes": 4096, "iters": 3, "warmup": 1, "budget_s": 0}})
 
 
-def commcheck(project, nproc, check=True, budget_s=0, **env):
+def commcheck(project, nproc, check=True, budget_s=0, verbose=False, **env):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["train"]["nproc"] = nproc
     params["commcheck"]["budget_s"] = budget_s
     (project / f"params-{nproc}.yaml").write_text(yaml.safe_dump(params))
-    return run(["mnist-pipeline", "commcheck", "--params", f"params-{nproc}.yaml"], project, check=check,
-               **project_env(project, **env))
+    return run(["mnist-pipeline", *(["-v"] if verbose else []), "commcheck", "--params", f"params-{nproc}.yaml"],
+               project, check=check, **project_env(project, **env))
+
+
+@dataclasses.dataclass(frozen=True)
+class Passed:
+    result: subprocess.CompletedProcess
+    report: dict  # results/comm.json
+    verdict: str  # checks/comm.json's text
+    run_id: str  # its MLflow parent run
+
+
+@pytest.fixture(scope="module")
+def passed(project):
+    """commcheck passing on nproc ranks, run once for each nproc asked for and read by every test
+    that looks at a passing run: what it printed, its two files as it wrote them (later tests write
+    theirs over them) and its MLflow run. Each commcheck is a launcher, a fork server and its ranks."""
+    from mlflow import MlflowClient
+
+    made = {}
+
+    def on(nproc: int) -> Passed:
+        if nproc not in made:
+            result = commcheck(project, nproc)
+            client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+            experiments = [e.experiment_id for e in client.search_experiments()]
+            parent = client.search_runs(experiments, "attributes.run_name = 'commcheck'",
+                                        order_by=["start_time DESC"])[0]
+            made[nproc] = Passed(result, json.loads((project / "results/comm.json").read_text()),
+                                 (project / "checks/comm.json").read_text(), parent.info.run_id)
+        return made[nproc]
+
+    return on
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_every_primitive_passes_and_is_recorded(project, nproc):
-    result = commcheck(project, nproc)
+def test_every_primitive_passes_and_is_recorded(passed, nproc):
+    result, report = passed(nproc).result, passed(nproc).report
     assert f"all {len(PRIMITIVES)} primitives passed on {nproc} ranks (gloo)" in result.stdout
     # One line on the terminal, the timings in the file: the table is for -v.
     assert "bytes/rank" not in result.stdout and "results/comm.json (-v prints them)" in result.stdout
     assert "Warning" not in result.stderr, result.stderr  # no library's deprecation notice reaches the user
-    report = json.loads((project / "results/comm.json").read_text())
     assert report["passed"] and report["world_size"] == nproc and report["backend"] == "gloo"
     assert set(report["primitives"]) == set(PRIMITIVES)
     swept = {(row["primitive"], row["bytes"]) for row in report["sweep"]}
@@ -47,17 +79,21 @@ def test_every_primitive_passes_and_is_recorded(project, nproc):
         assert row["time_us"] > 0
         if row["bytes"]:
             assert row["busbw_gbps"] == pytest.approx(row["algbw_gbps"] * bus_factor(row["primitive"], nproc))
-    verdict = json.loads((project / "checks/comm.json").read_text())
+    verdict = json.loads(passed(nproc).verdict)
     assert verdict == {"enabled": True, "passed": True, "world_size": nproc, "backend": "gloo", "device": "cpu",
                        "devices": [report["devices"][0]] * nproc, "primitives": list(PRIMITIVES)}
     assert report["devices"][0].startswith("cpu (")
     assert all(report["primitives"][p]["first_call_us"] > 0 for p in PRIMITIVES)
 
 
-def test_a_time_budget_stops_every_rank_at_the_same_size(project):
-    # A budget no size fits: each primitive is checked and timed at the smallest size only, and
-    # the ranks agree on that (had one gone on alone, the others would hang in their next collective).
-    result = commcheck(project, 2, budget_s=1e-9, MNIST_PIPELINE_VERBOSE="1")  # as `mnist-pipeline -v`
+def test_a_time_budget_stops_every_rank_at_the_same_size_and_verbose_prints_the_timings(project):
+    """A budget no size fits: each primitive is checked and timed at the smallest size only, and
+    the ranks agree on that (had one gone on alone, the others would hang in their next collective).
+    `mnist-pipeline -v` prints that, and the timings' table, on the terminal."""
+    # -v here rather than in a commcheck of its own: each is a launcher, a fork server and 2 ranks.
+    result = commcheck(project, 2, budget_s=1e-9, verbose=True)
+    table = [line for line in result.stdout.splitlines() if line.split()[:1] and line.split()[0] in PRIMITIVES]
+    assert "bytes/rank" in result.stdout and {line.split()[0] for line in table} == set(PRIMITIVES), result.stdout
     assert f"all {len(PRIMITIVES)} primitives passed on 2 ranks (gloo)" in result.stdout
     assert "the sweep stopped short of max_bytes (4096) to stay within commcheck.budget_s = 1e-09 s" \
         in result.stdout
@@ -189,13 +225,12 @@ def test_a_broken_interconnect_stops_dvc_repro_before_training(tmp_path, mnist_d
     assert not (project / "models").exists()
 
 
-def test_commcheck_run_has_a_child_per_rank_with_its_timings(project):
+def test_commcheck_run_has_a_child_per_rank_with_its_timings(project, passed):
     from mlflow import MlflowClient
 
-    commcheck(project, 2)
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     experiments = [e.experiment_id for e in client.search_experiments()]
-    parent = client.search_runs(experiments, "attributes.run_name = 'commcheck'", order_by=["start_time DESC"])[0]
+    parent = client.get_run(passed(2).run_id)
     assert parent.info.status == "FINISHED" and parent.data.tags["backend"] == "gloo"
     busbw = client.get_metric_history(parent.info.run_id, "all_reduce_busbw_gbps")
     assert [m.step for m in busbw] == sizes(4, 4096, 4)  # the x axis is the message size in bytes
@@ -206,20 +241,16 @@ def test_commcheck_run_has_a_child_per_rank_with_its_timings(project):
             assert client.get_metric_history(child.info.run_id, f"{primitive}_time_us"), primitive
 
 
-def test_verbose_prints_the_timings(project):
-    result = run(["mnist-pipeline", "-v", "commcheck"], project, **project_env(project))
-    table = [line for line in result.stdout.splitlines() if line.split()[:1] and line.split()[0] in PRIMITIVES]
-    assert "bytes/rank" in result.stdout and {line.split()[0] for line in table} == set(PRIMITIVES)
-
-
-def test_nothing_to_check_without_ddp(project):
+def test_nothing_to_check_without_ddp(project, passed):
     """With ddp not in train.modes no mode uses torch.distributed: no worker starts, and the last
     verdict stays (nothing retrains for it)."""
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["train"]["modes"] = ["single", "dp"]
     (project / "params-no-ddp.yaml").write_text(yaml.safe_dump(params))
-    commcheck(project, 2)
-    verdict = (project / "checks/comm.json").read_text()
+    # The last verdict a passing run wrote, put back: a test since may have left another there
+    # (test_disabled's {"enabled": false}, the very file this command writes where there is none).
+    verdict = passed(2).verdict
+    (project / "checks/comm.json").write_text(verdict)
     result = run(["mnist-pipeline", "commcheck", "--params", "params-no-ddp.yaml"], project, **project_env(project))
     assert "nothing to check (neither ddp nor fsdp is in train.modes" in result.stdout and "launching" not in result.stdout
     assert (project / "checks/comm.json").read_text() == verdict

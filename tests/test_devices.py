@@ -161,14 +161,20 @@ def test_the_workers_of_a_launcher_leave_the_line_to_it(nvml_cannot_start, caplo
     assert caplog.records == []
 
 
+@pytest.fixture(scope="module")
+def stand_in_driver(tmp_path_factory) -> Path:
+    """A folder holding the stand-in libcuda.so.1 and libnvidia-ml.so.1, for LD_LIBRARY_PATH: built
+    once for the file (two gcc runs), which its tests only load."""
+    return build_stand_in_driver(tmp_path_factory.mktemp("driver"))
+
+
 DRIVER_AS_NVML_SEES_IT = "from pipeline.gpus import driver_gpus; print(driver_gpus())"
 
 
-def test_nvml_is_read_as_the_stand_in_driver_answers(tmp_path):
+def test_nvml_is_read_as_the_stand_in_driver_answers(stand_in_driver):
     """The stand-in libnvidia-ml.so.1 (tests/stand_in_libcuda.c), through pynvml as on a GPU host: a
     driver with no GPU, one whose NVML cannot start (999, "Unknown Error", a container without its
     GPUs), and no driver at all."""
-    build_stand_in_driver(tmp_path)
 
     def driver(**env: str) -> str:
         done = subprocess.run([sys.executable, "-c", DRIVER_AS_NVML_SEES_IT], cwd=ROOT, capture_output=True, text=True,
@@ -176,17 +182,16 @@ def test_nvml_is_read_as_the_stand_in_driver_answers(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout.strip()
 
-    assert driver(LD_LIBRARY_PATH=str(tmp_path)) == "(0, '580.00')"
-    assert driver(LD_LIBRARY_PATH=str(tmp_path), STAND_IN_NVML_INIT="999") == "Unknown Error"
-    assert driver(LD_LIBRARY_PATH=str(tmp_path), STAND_IN_GPUS="2") == "(2, '580.00')"
+    assert driver(LD_LIBRARY_PATH=str(stand_in_driver)) == "(0, '580.00')"
+    assert driver(LD_LIBRARY_PATH=str(stand_in_driver), STAND_IN_NVML_INIT="999") == "Unknown Error"
+    assert driver(LD_LIBRARY_PATH=str(stand_in_driver), STAND_IN_GPUS="2") == "(2, '580.00')"
     if not any(Path(folder, "libnvidia-ml.so.1").exists() for folder in ("/usr/lib/x86_64-linux-gnu", "/usr/lib64")):
         assert driver() == "None"
 
 
 @pytest.mark.fast
-def test_a_ddp_training_where_nvml_cannot_start_says_so_once_and_trains_on_the_cpu(small_project, tmp_path):
-    build_stand_in_driver(tmp_path)
-    done = train_cli(small_project, "ddp", LD_LIBRARY_PATH=str(tmp_path), STAND_IN_NVML_INIT="999")
+def test_a_ddp_training_where_nvml_cannot_start_says_so_once_and_trains_on_the_cpu(small_project, stand_in_driver):
+    done = train_cli(small_project, "ddp", LD_LIBRARY_PATH=str(stand_in_driver), STAND_IN_NVML_INIT="999")
     output = done.stdout + done.stderr
     assert output.count("NVML cannot start (Unknown Error)") == 1, output[-3000:]
     assert "ddp: 2 process(es) on cpu" in output
@@ -227,31 +232,29 @@ def pick_on_the_stand_in(folder: Path, wanted: str = "auto", **env: str) -> subp
     ("NoDevFiles", "CUDA_VISIBLE_DEVICES='NoDevFiles' hides the 2 GPU(s)"),
     (None, "the NVIDIA driver shows 2 GPU(s), but "),
 ])
-def test_gpus_hidden_from_the_process_are_not_an_old_driver(tmp_path, visible, cause):
+def test_gpus_hidden_from_the_process_are_not_an_old_driver(stand_in_driver, visible, cause):
     """The stand-in driver shows 2 GPUs (NVML ignores CUDA_VISIBLE_DEVICES) that CUDA cannot use:
     hidden by CUDA_VISIBLE_DEVICES, or with no device file open to the process (a Slurm job that
     asked for none, MIG without instances), auto trains on the CPU and says why in one line; cuda
     is refused naming the same cause. Only a driver whose CUDA is older than the wheels' is blamed."""
-    build_stand_in_driver(tmp_path)
     env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
-    done = pick_on_the_stand_in(tmp_path, **env)
+    done = pick_on_the_stand_in(stand_in_driver, **env)
     assert done.returncode == 0 and done.stdout.strip() == "device: cpu", done.stderr[-2000:]
     said = done.stderr.strip().splitlines()
     assert len(said) == 1 and said[0].startswith(f"no usable GPU: {cause}"), said
-    refused = pick_on_the_stand_in(tmp_path, "cuda", **env)
+    refused = pick_on_the_stand_in(stand_in_driver, "cuda", **env)
     assert refused.returncode == 1 and f"train.device is cuda, but no GPU is visible: {cause}" in refused.stderr
     assert "Update the driver" not in done.stderr + refused.stderr
 
 
-def test_a_driver_older_than_the_wheels_is_blamed_unless_no_gpu_is_asked_for(tmp_path):
+def test_a_driver_older_than_the_wheels_is_blamed_unless_no_gpu_is_asked_for(stand_in_driver):
     """A driver whose CUDA is older than the wheels' (12.2 against 13.0) is still the driver's fault,
     unless CUDA_VISIBLE_DEVICES asks for no GPU at all (reproduce's advice for a CPU run)."""
-    build_stand_in_driver(tmp_path)
     old = {"STAND_IN_CUDA_VERSION": "12020", "STAND_IN_DRIVER_VERSION": "535.104.05"}
-    done = pick_on_the_stand_in(tmp_path, **old)
+    done = pick_on_the_stand_in(stand_in_driver, **old)
     assert done.returncode == 1 and ("PipelineError: the NVIDIA driver 535.104.05 shows 2 GPU(s), supports CUDA 12.2, "
                                      "but CUDA cannot use them") in done.stderr, done.stderr[-2000:]
-    assert pick_on_the_stand_in(tmp_path, CUDA_VISIBLE_DEVICES="", **old).stdout.strip() == "device: cpu"
+    assert pick_on_the_stand_in(stand_in_driver, CUDA_VISIBLE_DEVICES="", **old).stdout.strip() == "device: cpu"
 
 
 @pytest.mark.fast

@@ -33,7 +33,8 @@ def data():
 
 def fsdp_rank(r: int, world: int, out) -> None:
     """Rank r of an fsdp training under each of the world's configs; rank 0 saves each one's whole
-    weights, history and count of reduce-scatters to out/<i>.pt."""
+    weights, history and count of reduce-scatters to out/<i>.pt. At 3 ranks, the short last batch's
+    training follows in the same processes (short_last_batch_rank, to out/short)."""
     calls = []
     reduce_scatter = dist.reduce_scatter_single
 
@@ -49,6 +50,19 @@ def fsdp_rank(r: int, world: int, out) -> None:
         if r == 0:
             torch.save({"weights": model.state_dict(), "history": history, "reduce_scatters": len(calls)},
                        out / f"{i}.pt")
+    dist.reduce_scatter_single = reduce_scatter
+    if world == 3:
+        short_last_batch_rank(r, world, out / "short")
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    """The folder of the 3-rank fsdp trainings, CONFIGS[3]'s and the short last batch's: one start of
+    3 processes for both tests that read them, not two (each process imports torch and the pipeline
+    afresh, most of its cost; each training seeds its own weights and draws)."""
+    out = tmp_path_factory.mktemp("fsdp-3")
+    run_ranks(3, fsdp_rank, out)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +76,13 @@ def singles(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_fsdp_trains_what_one_device_trains(tmp_path, singles, world):
-    run_ranks(world, fsdp_rank, tmp_path)
-    runs = [torch.load(tmp_path / f"{i}.pt", weights_only=True) for i in range(len(CONFIGS[world]))]
+def test_fsdp_trains_what_one_device_trains(tmp_path, request, singles, world):
+    if world == 3:
+        out = request.getfixturevalue("three_ranks")
+    else:
+        out = tmp_path
+        run_ranks(world, fsdp_rank, out)
+    runs = [torch.load(out / f"{i}.pt", weights_only=True) for i in range(len(CONFIGS[world]))]
     for cfg, fsdp in zip(CONFIGS[world], runs):
         single = singles["clipped" if cfg.max_grad_norm else "base"]
         difference = relative_difference(single["weights"], fsdp["weights"])
@@ -95,12 +113,11 @@ def short_last_batch_rank(r: int, world: int, out) -> None:
         torch.save({"weights": model.state_dict(), "history": history}, out / "fsdp.pt")
 
 
-def test_fsdp_accumulates_over_a_short_last_batch_that_leaves_a_rank_empty_parts(tmp_path):
+def test_fsdp_accumulates_over_a_short_last_batch_that_leaves_a_rank_empty_parts(tmp_path, three_ranks):
     single, history = train(Training(dataclasses.replace(train_config(batch_size=12), grad_accum_steps=1), "single",
                                      Rank(), torch.device("cpu"), rank_dir(tmp_path / "single", 0)),
                             learnable_data(125), learnable_data(31, seed=1))
-    run_ranks(3, short_last_batch_rank, tmp_path)
-    fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+    fsdp = torch.load(three_ranks / "short" / "fsdp.pt", weights_only=True)
     assert relative_difference(single.state_dict(), fsdp["weights"]) < 1e-4
     assert fsdp["history"][0]["train_loss"] == pytest.approx(history[0]["train_loss"], rel=1e-5)
 

@@ -13,7 +13,6 @@ import subprocess
 import pytest
 import torch
 import torch.distributed as dist
-from mlflow import MlflowClient
 
 from pipeline.checkpoint import CHECKPOINT_FILE, in_epoch_step, read_checkpoint
 from pipeline.parallel import Rank
@@ -54,6 +53,9 @@ def test_a_preempted_training_stops_checkpointed_and_resumes_in_its_runs(tmp_pat
     checkpoint (every 1000 steps) never comes: the notice's checkpoint is the only one mid-epoch. The
     preempted and resumed training reads its samples through DataLoaders (train.loader, #53), whose
     workers the notice must not stop; the reference holds them in memory."""
+    # Here, not at the top: run_ranks' spawned ranks import this module, and need no MLflow.
+    from mlflow import MlflowClient
+
     project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "epochs": 4,
                                                                   "checkpoint_every_steps": 1000}})
     prepare(project, mnist_dir)

@@ -120,6 +120,6 @@ def test_quick_start_and_workflows_work_as_written(tmp_path, mnist_dir):
     workflows = shell("set -e\nsource .venv/bin/activate\n" + "\n".join(blocks("Workflows")), project, timeout=1500)
     assert workflows.returncode == 0, workflows.stdout[-3000:] + workflows.stderr[-3000:]
     shown = workflows.stdout
-    assert "three-epochs" in shown and (project / "dvc_plots/index.html").is_file()
+    assert "classic-3-epochs" in shown and (project / "dvc_plots/index.html").is_file()
     assert "reproduce: reproduced bit for bit" in shown, shown[-3000:]
     shutil.rmtree(project / "dvc_plots")

@@ -39,28 +39,32 @@ def data():
     return learnable_data(400), learnable_data(50, seed=1)
 
 
-def trainer(r: int, world: int, out, phase: str, mode: str) -> None:
-    """One rank of one attempt: 'whole' trains uninterrupted, 'killed' dies after step KILLED_AFTER's
-    checkpoint, 'resumed' goes on from the checkpoint rank 0 wrote."""
-    folder = rank_dir(out / phase.replace("killed", "resumed"), r)
-    if phase == "killed":
-        os.environ["MNIST_PIPELINE_CRASH_AFTER_STEP"] = str(KILLED_AFTER)
-    state = read_checkpoint(out / "resumed" / "rank-0" / CHECKPOINT_FILE) if phase == "resumed" else None
-    model, history = train(Training(config(), mode, Rank(r, r, world, world), torch.device("cpu"), folder,
-                                    resume_state=state, workload=CLASSIC), *data())
-    if r == 0:
-        torch.save({"weights": model.state_dict(), "history": history}, out / f"{phase}.pt")
+def trainer(r: int, world: int, out, phases: tuple[str, ...], mode: str) -> None:
+    """One rank of one or more attempts, in turn: 'whole' trains uninterrupted, 'killed' dies after
+    step KILLED_AFTER's checkpoint (so it comes last), 'resumed' goes on from the checkpoint rank 0
+    wrote."""
+    for phase in phases:
+        folder = rank_dir(out / phase.replace("killed", "resumed"), r)
+        if phase == "killed":
+            os.environ["MNIST_PIPELINE_CRASH_AFTER_STEP"] = str(KILLED_AFTER)
+        state = read_checkpoint(out / "resumed" / "rank-0" / CHECKPOINT_FILE) if phase == "resumed" else None
+        model, history = train(Training(config(), mode, Rank(r, r, world, world), torch.device("cpu"), folder,
+                                        resume_state=state, workload=CLASSIC), *data())
+        if r == 0:
+            torch.save({"weights": model.state_dict(), "history": history}, out / f"{phase}.pt")
 
 
 @pytest.mark.parametrize("world, mode", [(1, "single"), (3, "ddp"), (3, "fsdp")])
 def test_a_training_killed_mid_epoch_resumes_bit_for_bit(tmp_path, world, mode):
-    run_ranks(world, trainer, tmp_path, "whole", mode)
+    # The uninterrupted training runs first in the processes that are then killed: a start of
+    # `world` processes fewer (each imports torch and the pipeline, most of their cost). The resume
+    # still starts afresh, as after a real preemption.
     with pytest.raises(mp.ProcessExitedException, match="exit code 75"):
-        run_ranks(world, trainer, tmp_path, "killed", mode)
+        run_ranks(world, trainer, tmp_path, ("whole", "killed"), mode)
     saved = read_checkpoint(tmp_path / "resumed" / "rank-0" / CHECKPOINT_FILE)
     assert (saved["epoch"], in_epoch_step(saved)) == (1, KILLED_AFTER - 10)
     assert saved["in_epoch"]["world_size"] == world and len(saved["in_epoch"]["ranks"]) == world
-    run_ranks(world, trainer, tmp_path, "resumed", mode)
+    run_ranks(world, trainer, tmp_path, ("resumed",), mode)
 
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)

@@ -89,10 +89,34 @@ def check_record(parent, children, project, mode) -> None:
     assert parent.data.tags["weights_sha256"] == record.saved_weights_digest(project / "models" / mode / "model.pt")
 
 
-def test_ddp_four_ranks_against_a_real_server(tmp_path, mnist_dir, mlflow_server):
-    project = project_with(tmp_path, mnist_dir, "srv", train={"nproc": 4}, tracking={"log_every_n_steps": 5})
-    run(["mnist-pipeline", "train", "--mode", "ddp"], project,
-        **project_env(project, MLFLOW_TRACKING_URI=mlflow_server))
+# What the claims below read of a training, each trained once for the file (none trains again in
+# these projects or changes their files): a cold training is about 8 s of CPU, mostly imports.
+@pytest.fixture(scope="module")
+def server_ddp(tmp_path_factory, mnist_dir, mlflow_server):
+    """ddp at 4 ranks against a real server: its project and what it printed."""
+    project = project_with(tmp_path_factory.mktemp("srv"), mnist_dir, "srv", train={"nproc": 4},
+                           tracking={"log_every_n_steps": 5})
+    result = run(["mnist-pipeline", "train", "--mode", "ddp"], project,
+                 **project_env(project, MLFLOW_TRACKING_URI=mlflow_server))
+    return project, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def registry_project(tmp_path_factory, mnist_dir):
+    """ddp, then single, with tracking.registered_model, on a new SQLite store (ddp's training makes its
+    schema): the project and what each mode printed."""
+    project = project_with(tmp_path_factory.mktemp("registry"), mnist_dir, "registry",
+                           tracking={"registered_model": "mnist-cnn"})
+    assert not (project / "mlflow.db").exists()
+    printed = {}
+    for mode in ("ddp", "single"):
+        result = run(["mnist-pipeline", "train", "--mode", mode], project, **project_env(project))
+        printed[mode] = result.stdout + result.stderr
+    return project, printed
+
+
+def test_ddp_four_ranks_against_a_real_server(server_ddp, mlflow_server):
+    project, _ = server_ddp
     client = MlflowClient(mlflow_server)
     parent, children = check_structure(client, project, "ddp", 4)
     assert parent.data.tags["backend"] == "gloo"
@@ -163,36 +187,49 @@ def test_killed_training_ends_failed(tmp_path, mnist_dir, mode):
     assert set(statuses.values()) == {"FAILED"}, (statuses, stderr[-3000:])
 
 
-def test_a_resumed_training_continues_the_same_runs(tmp_path, mnist_dir):
-    project = project_with(tmp_path, mnist_dir, "resume")
+URL_NAME = "q?x %41 #h ünï"  # a raw `?` starts a SQLite URL's query, `%41` decodes, `#` starts a fragment
+
+
+@pytest.fixture(scope="module")
+def resumed_in_url_folder(tmp_path_factory, mnist_dir):
+    """single crashed after its first epoch and resumed, in a project whose folder's name holds URL
+    characters: the folder the project is in, and the project. Two claims read it, neither trains
+    in it again: a resume reopens the runs through the same URL a fresh training makes them by."""
+    root = tmp_path_factory.mktemp("url")
+    project = project_with(root, mnist_dir, URL_NAME)
     crashed = run(["mnist-pipeline", "train", "--mode", "single"], project, check=False,
                   **project_env(project, MNIST_PIPELINE_CRASH_AFTER_EPOCH="1"))
-    assert crashed.returncode == 75
+    assert crashed.returncode == 75, crashed.stderr[-3000:]
     run(["mnist-pipeline", "train", "--mode", "single", "--resume"], project, **project_env(project))
-    client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    return root, project
+
+
+def url_folder_store(project) -> str:
+    """The project's own SQLite store, its URL escaped as SQLAlchemy reads it."""
+    return f"sqlite:///{project / 'mlflow.db'}".replace("%", "%25").replace("?", "%3F")
+
+
+def test_a_resumed_training_continues_the_same_runs(resumed_in_url_folder):
+    _, project = resumed_in_url_folder
+    client = MlflowClient(url_folder_store(project))
     parent, children = runs_of(client, project, "single")
     experiment_runs = client.search_runs([parent.info.experiment_id])
     assert len(experiment_runs) == 2  # the one parent and its one child, continued, not doubled
     check_structure(client, project, "single", 1)
 
 
-def test_a_run_prints_the_projects_lines_not_mlflows(tmp_path, mnist_dir, mlflow_server):
-    project = project_with(tmp_path, mnist_dir, "quiet")
-    for uri in (None, mlflow_server):  # a new SQLite store (its schema is made) and a server
-        env = project_env(project, **({"MLFLOW_TRACKING_URI": uri} if uri else {}))
-        result = run(["mnist-pipeline", "train", "--mode", "ddp"], project, **env)
-        output = result.stdout + result.stderr
+def test_a_run_prints_the_projects_lines_not_mlflows(registry_project, server_ddp):
+    """ddp's launcher and workers, on a new SQLite store (its schema is made) and against a server."""
+    for output in (registry_project[1]["ddp"], server_ddp[1]):
         assert "ddp epoch 2/2: train loss" in output
         for chatter in ("INFO mlflow", "Creating initial MLflow database tables", "Skip logging GPU metrics",
                         "View run", "Saving pytorch model by Pickle"):
             assert chatter not in output, (chatter, output[-3000:])
 
 
-def test_an_opt_in_registry_holds_each_modes_model_under_its_alias(tmp_path, mnist_dir):
+def test_an_opt_in_registry_holds_each_modes_model_under_its_alias(registry_project):
     """tracking.registered_model: each mode's model is a version; `models:/<name>@<mode>` loads it."""
-    project = project_with(tmp_path, mnist_dir, "registry", tracking={"registered_model": "mnist-cnn"})
-    for mode in ("single", "ddp"):
-        run(["mnist-pipeline", "train", "--mode", mode], project, **project_env(project))
+    project, _ = registry_project
     uri = f"sqlite:///{project / 'mlflow.db'}"
     client = MlflowClient(uri)
     versions = {mode: client.get_model_version_by_alias("mnist-cnn", mode) for mode in ("single", "ddp")}
@@ -225,16 +262,15 @@ def test_the_store_url_names_the_project_file_as_sqlalchemy_reads_it(tmp_path, n
     assert make_url(sqlite_uri(path)).database == str(path)
 
 
-def test_a_project_in_a_folder_with_url_characters_logs_into_its_own_store(tmp_path, mnist_dir):
+def test_a_project_in_a_folder_with_url_characters_logs_into_its_own_store(resumed_in_url_folder):
     """A raw `?` in the SQLite URL starts a query and `%41` decodes: the runs went into a file
-    beside the project, and the training exited 0."""
-    project = project_with(tmp_path, mnist_dir, "q?x %41 #h ünï", train={"epochs": 1})
-    run(["mnist-pipeline", "train", "--mode", "single"], project, **project_env(project))
+    beside the project, and the training exited 0 (its resume too, which reopened them)."""
+    root, project = resumed_in_url_folder
     # Nothing logged beside it. MLflow 3 makes the folder its URL names as written, undecoded
     # (store/db/utils.py: _make_parent_dirs_if_sqlite): that one stays empty.
-    beside = [p for p in tmp_path.iterdir() if p.name != "q?x %41 #h ünï"]
+    beside = [p for p in root.iterdir() if p.name != URL_NAME]
     assert [p.name for p in beside] in ([], ["q%3Fx %2541 #h ünï"]) and all(not list(p.iterdir()) for p in beside)
-    uri = f"sqlite:///{project / 'mlflow.db'}".replace("%", "%25").replace("?", "%3F")
+    uri = url_folder_store(project)
     client = MlflowClient(uri)
     parent, [child] = runs_of(client, project, "single")
     assert parent.info.status == child.info.status == "FINISHED"

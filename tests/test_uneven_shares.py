@@ -58,26 +58,48 @@ def train_single(tmp_path, cfg: TrainConfig, train_split: DeviceSplit, val_split
     return {"weights": model.state_dict(), "history": history}
 
 
-def ddp_rank(r: int, world: int, cfg: TrainConfig, train_split, val_split, out) -> None:
-    run = Training(cfg, "ddp", Rank(r, r, world, world), torch.device("cpu"), rank_dir(out, r))
-    model, history = train(run, train_split, val_split)  # raises if the ranks' weights ever differ
-    if r == 0:
-        torch.save({"weights": model.state_dict(), "history": history}, out / "result.pt")
+def ddp_rank(r: int, world: int, trainings: dict[str, tuple], out) -> None:
+    """Rank r of each of `trainings` (name: config, train split, val split) in turn; rank 0 saves
+    each one's weights and history to out/<name>.pt."""
+    for name, (cfg, train_split, val_split) in trainings.items():
+        run = Training(cfg, "ddp", Rank(r, r, world, world), torch.device("cpu"), rank_dir(out / name, r))
+        model, history = train(run, train_split, val_split)  # raises if the ranks' weights ever differ
+        if r == 0:
+            torch.save({"weights": model.state_dict(), "history": history}, out / f"{name}.pt")
 
 
-def train_ddp(tmp_path, world: int, cfg: TrainConfig, train_split: DeviceSplit, val_split: DeviceSplit) -> dict:
-    out = tmp_path / f"ddp-{world}"
-    run_ranks(world, ddp_rank, cfg, train_split, val_split, out)
-    return torch.load(out / "result.pt", weights_only=True)
+def train_ddp(out, world: int, trainings: dict[str, tuple]) -> dict[str, dict]:
+    run_ranks(world, ddp_rank, trainings, out)
+    return {name: torch.load(out / f"{name}.pt", weights_only=True) for name in trainings}
+
+
+def odd_world():
+    # 1250 images: 10 steps of the default global batch 128, the last one 98 (not a multiple of 3 or 5).
+    return train_config(batch_size=128), learnable_data(1250), learnable_data(101, seed=1)
+
+
+def short_last_batch():
+    # 5 ranks, batch 8: shares 2/2/2/1/1; 27 images leave a last batch of 3, so ranks 3 and 4 train on
+    # nothing in that step, yet still take part in its all-reduce with zero gradients.
+    return train_config(batch_size=8, epochs=2), learnable_data(27), learnable_data(7, seed=1)
+
+
+@pytest.fixture(scope="module")
+def five_ranks(tmp_path_factory) -> dict[str, dict]:
+    """Both 5-rank DDP trainings of this file, the odd world's and the short last batch's, in one
+    start of 5 processes, not two (each process imports torch and the pipeline afresh, most of its
+    cost; each training seeds its own weights and draws)."""
+    return train_ddp(tmp_path_factory.mktemp("ddp-5"), 5, {"odd": odd_world(), "short": short_last_batch()})
 
 
 @pytest.mark.parametrize("world", [3, 5])
-def test_ddp_at_odd_world_sizes_trains_what_one_device_trains(tmp_path, world):
-    # 1250 images: 10 steps of the default global batch 128, the last one 98 (not a multiple of 3 or 5).
-    cfg = train_config(batch_size=128)
-    train_split, val_split = learnable_data(1250), learnable_data(101, seed=1)
+def test_ddp_at_odd_world_sizes_trains_what_one_device_trains(tmp_path, request, world):
+    cfg, train_split, val_split = odd_world()
     single = train_single(tmp_path, cfg, train_split, val_split)
-    ddp = train_ddp(tmp_path, world, cfg, train_split, val_split)
+    if world == 5:
+        ddp = request.getfixturevalue("five_ranks")["odd"]
+    else:
+        ddp = train_ddp(tmp_path / f"ddp-{world}", world, {"odd": odd_world()})["odd"]
     difference = relative_difference(single["weights"], ddp["weights"])
     print(f"{world} ranks, 10 steps: relative |single - ddp| {difference:.2e}")
     assert difference < 1e-4
@@ -88,13 +110,10 @@ def test_ddp_at_odd_world_sizes_trains_what_one_device_trains(tmp_path, world):
     assert relative_difference(build_model("small").state_dict(), single["weights"]) > 1e-2  # it trained
 
 
-def test_a_last_batch_smaller_than_the_world_leaves_some_ranks_empty_and_still_agrees(tmp_path):
-    # 5 ranks, batch 8: shares 2/2/2/1/1; 27 images leave a last batch of 3, so ranks 3 and 4 train on
-    # nothing in that step, yet still take part in its all-reduce with zero gradients.
-    cfg = train_config(batch_size=8, epochs=2)
-    train_split, val_split = learnable_data(27), learnable_data(7, seed=1)
+def test_a_last_batch_smaller_than_the_world_leaves_some_ranks_empty_and_still_agrees(tmp_path, five_ranks):
+    cfg, train_split, val_split = short_last_batch()
     single = train_single(tmp_path, cfg, train_split, val_split)
-    ddp = train_ddp(tmp_path, 5, cfg, train_split, val_split)
+    ddp = five_ranks["short"]
     assert relative_difference(single["weights"], ddp["weights"]) < 1e-4
     assert ddp["history"][-1]["train_loss"] == pytest.approx(single["history"][-1]["train_loss"], rel=1e-4)
 
