@@ -6,10 +6,10 @@ Both train the same model on the same global batches through the stage (`mnist-p
 params.yaml's settings but tracking off and the workers given by `--nproc`. The step time is the
 median over the repeats of each run's measured median step (results/breakdown/<mode>.json, the
 rank slowest at each step), beside the whole epoch's mean step; the state is each mode's largest
-rank's, in MiB (results/train/<mode>.json).
-
-What it does not give yet: the scaling model's prediction for fsdp (pipeline/scaling.py knows
-ddp's all-reduce only), so ddp's prediction is not printed either.
+rank's, in MiB (results/train/<mode>.json); and, from the breakdown's slowest rank, each step's
+communication: ddp's all-reduce, fsdp's all-gathers and reduce-scatters, and how much of it the
+step waited for (exposed). Beside them, the scaling model's prediction for each (pipeline/scaling.py,
+from commcheck's link: `mnist-pipeline commcheck` runs once first, as in `dvc repro`), and its error.
 
     MNIST_SOURCE=../shared/data/mnist .venv/bin/python benchmarks/fsdp_step.py [--repeats 3] [--nproc 2]
 """
@@ -30,6 +30,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline_overhead import copy_project  # noqa: E402
 
+from pipeline import scaling  # noqa: E402
+
 MODES = ("ddp", "fsdp")
 
 
@@ -38,10 +40,24 @@ def train(project: Path, mode: str) -> dict:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     summary = json.loads((project / "results/train" / f"{mode}.json").read_text())
     breakdown = json.loads((project / "results/breakdown" / f"{mode}.json").read_text())
-    medians = [rank["median_s"]["step"] for rank in breakdown["ranks"] if "median_s" in rank]
-    return {"step_ms": 1000 * max(medians) if medians else None,
+    ranks = [rank for rank in breakdown["ranks"] if "median_s" in rank]
+    slowest = max(ranks, key=lambda rank: rank["median_s"]["step"]) if ranks else None
+    kinds = (slowest or {}).get("collectives") or {}
+    predicted = scaling.predict(breakdown, scaling.measured_link(breakdown["link"]) if breakdown.get("link") else None)
+    return {"step_ms": 1000 * slowest["median_s"]["step"] if slowest else None,
+            "comm_ms": 1000 * slowest["median_s"]["comm"] if slowest else None,
+            "exposed_ms": 1000 * slowest["median_s"]["comm_exposed"] if slowest else None,
+            "all_gather_ms": 1000 * kinds["all_gather"]["median_s"] if kinds else None,
+            "reduce_scatter_ms": 1000 * kinds["reduce_scatter"]["median_s"] if kinds else None,
+            "predicted_ms": 1000 * predicted["predicted_step_s"] if predicted else None,
+            "error_pct": 100 * predicted["prediction_error"] if predicted and predicted["prediction_error"] is not None
+            else None,
             "mean_step_ms": 1000 * summary["steady_step_s"] if summary.get("steady_step_s") else None,
             "state_mb": summary["state_mb_per_rank"], "world": summary["world_size"]}
+
+
+def cell(key: str, value: float | None) -> str:
+    return "-" if value is None else f"{value:+.1f}" if key == "error_pct" else f"{value:.2f}"
 
 
 def main() -> None:
@@ -60,17 +76,25 @@ def main() -> None:
         params["tracking"]["enabled"] = False
         (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
         subprocess.run(["mnist-pipeline", "prepare"], cwd=project, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(["mnist-pipeline", "commcheck"], cwd=project, check=True, stdout=subprocess.DEVNULL)
         runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
         for repeat in range(args.repeats):
             for mode in MODES if repeat % 2 == 0 else MODES[::-1]:  # alternating: a drift hits both
                 runs[mode].append(train(project, mode))
-    print(f"{'mode':<6} {'ranks':>5} {'median step ms':>15} {'mean step ms':>13} {'state MiB/rank':>15}")
+    keys = ("step_ms", "mean_step_ms", "state_mb", "comm_ms", "exposed_ms", "all_gather_ms", "reduce_scatter_ms",
+            "predicted_ms", "error_pct")
+    columns = (("comm_ms", "comm ms", 8), ("exposed_ms", "exposed ms", 10), ("all_gather_ms", "all-gathers ms", 14),
+               ("reduce_scatter_ms", "reduce-scatters ms", 18), ("predicted_ms", "predicted ms", 12),
+               ("error_pct", "error %", 8))
+    print(f"{'mode':<6} {'ranks':>5} {'median step ms':>15} {'mean step ms':>13} {'state MiB/rank':>15} "
+          + " ".join(f"{title:>{width}}" for _, title, width in columns))
     row = {}
     for mode in MODES:
-        row[mode] = {key: statistics.median(r[key] for r in runs[mode] if r[key] is not None)
-                     for key in ("step_ms", "mean_step_ms", "state_mb")}
+        row[mode] = {key: statistics.median(values) if (values := [r[key] for r in runs[mode] if r[key] is not None])
+                     else None for key in keys}
+        cells = " ".join(f"{cell(key, row[mode][key]):>{width}}" for key, _, width in columns)
         print(f"{mode:<6} {runs[mode][0]['world']:>5} {row[mode]['step_ms']:>15.2f} {row[mode]['mean_step_ms']:>13.2f} "
-              f"{row[mode]['state_mb']:>15.4f}")
+              f"{row[mode]['state_mb']:>15.4f} {cells}")
     print(f"fsdp / ddp: step {row['fsdp']['step_ms'] / row['ddp']['step_ms']:.2f}x, "
           f"state per rank {row['fsdp']['state_mb'] / row['ddp']['state_mb']:.2f}x "
           f"(median of {args.repeats} trainings each, alternating)")

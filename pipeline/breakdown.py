@@ -10,6 +10,13 @@ Three instruments, all on every rank:
   the backend (its gradients are ready) and when its all-reduce completes, on the same clock. It is
   registered when the measured window opens (DDP's reducer reads its hook afresh each backward), so
   the steps before run DDP's built-in all-reduce, with no Python on the gradients' path.
+- `ShardTimer` is FSDP2's all-gather and reduce-scatter, FSDP's own default collectives (the same
+  calls, the same bits) set on every unit with `set_custom_all_gather`/`set_custom_reduce_scatter`,
+  which stamp each call's start and end on the same clock while a measured step runs. On the CPU
+  FSDP2 makes each call synchronously on the training thread (torch 2.14: `foreach_reduce` passes
+  no `async_op`, and `unshard`'s is False, there being no stream to prefetch on), so every second of
+  it is one the step waited: exposed, inside the phase it fell in. On a GPU the stamps are events on
+  the collective's own stream: its time is measured, its overlap with the compute is not.
 - `Tracer` runs torch.profiler over a few steps after the measured window and keeps its Chrome
   trace (Perfetto opens it): the phases as record_function ranges, the backend's own collective
   events (gloo:all_reduce on its threads, NCCL's kernels on their stream) and DataParallel's
@@ -146,6 +153,67 @@ class CommTimer:
         self.attached = True
 
 
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shard_timer(clock: StepClock, model: nn.Module) -> ShardTimer:
+    """FSDP2's collectives on every unit of `model` (the root included), timed by one ShardTimer."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+
+    timer = ShardTimer(clock)
+
+    class TimedAllGather(DefaultAllGather):  # FSDP's default, so its checks of the kind still pass
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return timer.timed("all_gather", output_tensor, lambda: super(TimedAllGather, self).__call__(
+                output_tensor, input_tensor, group, async_op))
+
+    class TimedReduceScatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            return timer.timed("reduce_scatter", input_tensor, lambda: super(TimedReduceScatter, self).__call__(
+                output_tensor, input_tensor, group, op, async_op))
+
+    gather, scatter = TimedAllGather(), TimedReduceScatter()
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_custom_all_gather(gather)
+            unit.set_custom_reduce_scatter(scatter)
+    return timer
+
+
+class ShardTimer:
+    """Each of FSDP2's collectives while `step` is not None: [step, kind, bytes, start, end], the
+    bytes those of the whole (gathered, or to be scattered) buffer."""
+
+    KINDS = ("all_gather", "reduce_scatter")
+
+    def __init__(self, clock: StepClock):
+        self.clock = clock
+        self.step: int | None = None
+        self.calls: list[list] = []
+
+    def timed(self, kind: str, whole: torch.Tensor, call):
+        if self.step is None:
+            return call()
+        start = self.clock.stamp()
+        work = call()
+        self.calls.append([self.step, kind, whole.numel() * whole.element_size(), start, self.clock.stamp()])
+        return work
+
+    def per_step(self, steps: list[int]) -> dict[str, dict]:
+        """Each kind's calls, bytes and seconds a step: the medians over `steps`."""
+        out = {}
+        for kind in self.KINDS:
+            rows = [[c for c in self.calls if c[0] == step and c[1] == kind] for step in steps]
+            out[kind] = {"calls": statistics.median(len(r) for r in rows),
+                         "bytes": statistics.median(sum(c[2] for c in r) for r in rows),
+                         "median_s": statistics.median(sum(self.clock.seconds(c[3], c[4]) for c in r) for r in rows)}
+        return out
+
+
 def timed_data_parallel(dp: nn.DataParallel, clock: StepClock, parts: dict[str, list]) -> None:
     """Stamp DataParallel's forward part by part (on its GPUs): scatter the batch from GPU 0,
     replicate the module to every GPU, run the replicas in threads, gather the outputs on GPU 0.
@@ -183,12 +251,20 @@ def overlap_with(intervals: list[tuple[float, float]], window: tuple[float, floa
     return union_length([(a, b) for a, b in clipped if b > a])
 
 
-def step_breakdown(phases: list[float], comm: list[tuple[float, float]]) -> dict[str, float]:
+def step_breakdown(phases: list[float], comm: list[tuple[float, float]], blocking: bool = False) -> dict[str, float]:
     """One step, in seconds: `phases` the durations of PHASES, `comm` each bucket's [handed over,
-    completed] offsets from the step's start."""
+    completed] offsets from the step's start; with `blocking`, each collective's [start, end] on the
+    thread that waited for it (FSDP2's on the CPU): all exposed, in the phase it fell in."""
     data, forward, backward, optimizer = phases
-    out = dict(zip(PHASES, phases), step=sum(phases))
+    out = dict(zip(PHASES, phases), step=sum(phases), forward_compute=forward)
     backward_start = data + forward
+    if blocking:
+        total = union_length(comm)
+        out.update(comm=total, comm_overlapped=0.0, comm_exposed=total,
+                   forward_compute=forward - overlap_with(comm, (data, backward_start)),
+                   backward_compute=backward - overlap_with(comm, (backward_start, backward_start + backward)),
+                   compute=sum(phases) - total)
+        return out
     compute_end = max((handed for handed, _ in comm), default=backward_start + backward)
     total = union_length(comm)
     overlapped = overlap_with(comm, (backward_start, compute_end))
@@ -208,6 +284,8 @@ class Probe:
         self.window, self.trace_steps, self.trace_dir, self.warmup = window, trace_steps, trace_dir, warmup
         self.repeats = repeats
         self.comm: CommTimer | None = None
+        self.shard: ShardTimer | None = None  # fsdp's collectives, on the CPU
+        self.comm_unmeasured: str | None = None  # why a mode that communicates has no comm measured
         self.dp_parts: dict[str, list] = {}
         self.measure = False  # this epoch's window is measured (the last epoch's)
         self.first = self.traced = self.steps = self.measured = self.trace_start = 0
@@ -233,6 +311,12 @@ class Probe:
             self.comm = CommTimer(self.clock, wrapped, rank_world)  # hooked when the window opens
         elif isinstance(wrapped, nn.DataParallel):
             timed_data_parallel(wrapped, self.clock, self.dp_parts)
+        elif is_sharded(wrapped) and rank_world > 1:
+            if self.clock.cuda:
+                self.comm_unmeasured = ("fsdp on a GPU: FSDP2's collectives run on streams of their own, and what "
+                                        "of them the compute waits for is not measured")
+            else:
+                self.shard = shard_timer(self.clock, wrapped)
 
     def start_epoch(self, steps: int, measure: bool) -> None:
         """Where this epoch's windows and traced steps fall: after the warm-up when the epoch is long
@@ -279,6 +363,8 @@ class Probe:
                 self.comm.attach()
             self.comm.step = step if hooked else None
         self.dp_parts["recording"] = window
+        if self.shard is not None:
+            self.shard.step = step if window else None
         # The steady time runs from the first step after the warm-up to the end of the epoch's last.
         self.clock.start_step(step, stamped=window or step in (self.warmup, self.steps - 1) or not self.clock.cuda)
         self._range("data")
@@ -290,6 +376,8 @@ class Probe:
     def end_step(self) -> None:
         self.clock.mark()
         self._range(None)
+        if self.shard is not None:  # evaluation's all-gathers are no step's
+            self.shard.step = None
         if self.profiler is not None and not self.in_trace(self.step + 1):
             if self.clock.cuda:
                 torch.cuda.synchronize()  # the traced steps' kernels are the steps' own time
@@ -355,9 +443,10 @@ class Probe:
         for step in self.window_steps:
             marks = self.clock.step_marks(step)
             phases = [self.clock.seconds(a, b) for a, b in zip(marks, marks[1:])]
-            comm = [(self.clock.seconds(marks[0], handed), self.clock.seconds(marks[0], done))
-                    for at, _, _, handed, done in (self.comm.calls if self.comm else ()) if at == step]
-            rows[step] = step_breakdown(phases, comm)
+            calls = self.comm.calls if self.comm else self.shard.calls if self.shard else ()  # alike from [3]: start, end
+            comm = [(self.clock.seconds(marks[0], start), self.clock.seconds(marks[0], end))
+                    for at, _, _, start, end in calls if at == step]
+            rows[step] = step_breakdown(phases, comm, blocking=self.shard is not None)
         # DDP with windows to spare: the step times come from the windows without the hook, its
         # communication from the last window, which has it.
         apart = self.comm is not None and self.windows > 1
@@ -376,7 +465,12 @@ class Probe:
                                "step_s": [row["step"] for row in steps]}
         comm_total = sum(row["comm"] for row in hooked)
         out["comm_overlap_fraction"] = (sum(row["comm_overlapped"] for row in hooked) / comm_total
-                                        if self.comm and comm_total > 0 else None)
+                                        if (self.comm or self.shard) and comm_total > 0 else None)
+        if self.shard:
+            out["collectives"] = self.shard.per_step(self.window_steps)
+            self.shard.calls.clear()
+        if self.comm_unmeasured:
+            out["comm_unmeasured"] = self.comm_unmeasured
         if self.comm:
             out["buckets"] = self.bucket_layout()
             if not apart:  # else its window's compute is no sample of the others' (pipeline.scaling.predict)

@@ -11,7 +11,7 @@ from pipeline import scaling, spread
 from pipeline.config import CompareConfig
 from pipeline.plotting import pyplot
 
-PHASE_ROWS = (("data", "data"), ("forward", "forward"), ("backward_compute", "backward (compute)"),
+PHASE_ROWS = (("data", "data"), ("forward_compute", "forward (compute)"), ("backward_compute", "backward (compute)"),
               ("comm_exposed", "communication, exposed"), ("optimizer", "optimizer"))
 COLOURS = {"data": "tab:gray", "forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green",
            "dp:scatter": "tab:purple", "dp:replicate": "tab:pink", "dp:replicas": "tab:cyan", "dp:gather": "tab:olive"}
@@ -27,7 +27,9 @@ def scaling_report(breakdowns: dict[str, dict], config: CompareConfig) -> dict:
     """Predicted against measured for each mode that ran, and DDP (and DataParallel, on GPUs)
     projected to compare.devices on each link: commcheck's, as DDP's training recorded it, and
     the named ones."""
-    every_link = links(breakdowns.get("ddp", {}).get("link"), config)
+    # commcheck's link, as the distributed modes' trainings recorded it
+    every_link = links(next((breakdowns[m]["link"] for m in ("ddp", "fsdp") if (breakdowns.get(m) or {}).get("link")),
+                            None), config)
     own = next((link for link in every_link if link.name == "commcheck"), None)
     predictions = {mode: scaling.predict(b, own) for mode, b in breakdowns.items()}
     projections = []
@@ -57,9 +59,13 @@ def run_figures(breakdown: dict, prediction: dict | None) -> dict[str, float]:
         return {}
     m = rank["median_s"]
     step = step_median(breakdown, rank)
+    if rank.get("comm_unmeasured"):  # no communication figure rather than a false 0
+        return {"step_s": step}
     figures = {"step_s": step, "step_compute_s": m["compute"], "step_comm_s": m["comm"],
                "step_comm_exposed_s": m["comm_exposed"],
                "comm_exposed_share": m["comm_exposed"] / step if step else 0.0}
+    for kind, k in (rank.get("collectives") or {}).items():  # fsdp's: step_all_gather_s, step_reduce_scatter_s
+        figures[f"step_{kind}_s"] = k["median_s"]
     if rank.get("comm_overlap_fraction") is not None:
         figures["comm_overlap_fraction"] = rank["comm_overlap_fraction"]
     if prediction:
@@ -67,6 +73,15 @@ def run_figures(breakdown: dict, prediction: dict | None) -> dict[str, float]:
         if prediction["prediction_error"] is not None:
             figures["prediction_error"] = prediction["prediction_error"]
     return figures
+
+
+def phase(rank: dict, key: str) -> float | None:
+    """A measured rank's median of `key`: None (n/a) for communication where it was not measured;
+    the whole forward for a breakdown made before the forward's own communication was (no forward_compute)."""
+    if rank.get("comm_unmeasured") and key in ("comm", "comm_exposed", "backward_compute", "forward_compute"):
+        return rank["median_s"][key.replace("_compute", "")] if key.endswith("_compute") else None
+    median = rank["median_s"]
+    return median.get(key, median["forward"]) if key == "forward_compute" else median[key]
 
 
 def _ms(seconds: float | None) -> str:
@@ -89,14 +104,14 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
               "bootstrap interval.", "",
               "| | " + " | ".join(modes) + " |", "|---|" + "---:|" * len(modes)]
     for key, label in PHASE_ROWS:
-        lines.append(f"| {label} | " + " | ".join(_ms(measured[m]["median_s"][key]) for m in modes) + " |")
+        lines.append(f"| {label} | " + " | ".join(_ms(phase(measured[m], key)) for m in modes) + " |")
     steps = {m: spread.median_interval(spread.step_series(breakdowns[m]), spread.windows_of(breakdowns[m]))
              for m in modes}
     lines.append("| **step** | " + " | ".join(
         f"**{_ms(measured[m]['median_s']['step'])}**" if steps[m] is None else
         f"**{_ms(steps[m].value)}** ({_ms(steps[m].low)}-{_ms(steps[m].high)})" for m in modes) + " |")
-    lines.append("| communication, all | " + " | ".join(_ms(measured[m]["median_s"]["comm"]) for m in modes) + " |")
-    lines.append("| of it overlapped with the backward | " + " | ".join(
+    lines.append("| communication, all | " + " | ".join(_ms(phase(measured[m], "comm")) for m in modes) + " |")
+    lines.append("| of it overlapped with the compute | " + " | ".join(
         "n/a" if measured[m].get("comm_overlap_fraction") is None else f"{measured[m]['comm_overlap_fraction']:.0%}"
         for m in modes) + " |")
     for m in modes:
@@ -105,6 +120,15 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
                               for b in measured[m]["buckets"])
             lines += ["", f"{m}'s gradient buckets: {sizes}. A bucket's all-reduce can only overlap the backward "
                           "computing the buckets after it: with one bucket, none of it can."]
+        if measured[m].get("collectives"):
+            kinds = measured[m]["collectives"]
+            lines += ["", f"{m}'s collectives a step: " + "; ".join(
+                f"{k['calls']:g} {name.replace('_', '-')}s of {k['bytes'] / 2**20:.2f} MiB in all, {_ms(k['median_s'])} ms"
+                for name, k in kinds.items()) + ". FSDP2 makes each on the training thread on the CPU, and the "
+                "step waits for it: all exposed, in the phase it falls in (the weights gathered in the forward, "
+                "again in the backward, the gradients scattered there)."]
+        if measured[m].get("comm_unmeasured"):
+            lines += ["", f"{m}'s communication is not measured: {measured[m]['comm_unmeasured']}."]
         if measured[m].get("dp_median_s"):
             parts = measured[m]["dp_median_s"]
             lines += ["", f"{m}'s forward: " + ", ".join(f"{part} {_ms(s)}" for part, s in parts.items())
@@ -114,15 +138,19 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
                   "each DDP bucket's all-reduce from when it is handed to the backend to when it completes "
                   "(a communication hook with DDP's own arithmetic). Communication during the backward's compute "
                   "(until the last bucket is handed over) is overlapped; the rest is exposed. A rank's exposed "
-                  "communication includes its wait for slower ranks: no all-reduce ends before every rank joined it.",
+                  "communication includes its wait for slower ranks: no all-reduce ends before every rank joined it. "
+                  "fsdp's all-gathers and reduce-scatters: each from its call to its return (FSDP's own collectives, "
+                  "timed where they run).",
               "", "![two traced steps per mode](timeline.png)", "", "### Predicted against measured", "",
               "| mode | ranks | measured step (ms) | predicted (ms) | error | predicted communication (ms) "
               "| of it exposed (ms) |", "|---|---:|---:|---:|---:|---:|---:|"]
     for mode, p in report["predictions"].items():
         if p is None:
-            why = ("no link measured for this world (commcheck off, failed, or its all_reduce stopped below 64 KiB)"
-                   if scaling.slowest_rank(breakdowns[mode]) else
-                   f"no step measured: {breakdowns[mode].get('unmeasured') or 'train.breakdown_steps is 0'}")
+            rank = scaling.slowest_rank(breakdowns[mode])
+            why = (f"no step measured: {breakdowns[mode].get('unmeasured') or 'train.breakdown_steps is 0'}"
+                   if rank is None else f"its communication is not measured ({rank['comm_unmeasured']})"
+                   if rank.get("comm_unmeasured") else
+                   "no link measured for this world (commcheck off, failed, or its all_reduce stopped below 64 KiB)")
             lines.append(f"| {mode} | | | n/a: {why} | | | |")
             continue
         error = "n/a" if p["prediction_error"] is None else f"{p['prediction_error']:+.1%}"
@@ -131,8 +159,10 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
     lines += ["", "The measured step is the step time above. DDP's prediction: the compute of the rank slowest at "
                   "each step, plus the exposed all-reduce the model computes from commcheck's measured link at DDP's "
                   "bucket sizes (with the comm timer in a window of its own: the measured step with the all-reduce "
-                  "its window saw replaced by the model's). A mode on one device has no communication to predict: "
-                  "its row checks that the phases add up to the step.",
+                  "its window saw replaced by the model's). fsdp's: the measured step with its all-gathers and "
+                  "reduce-scatters (all exposed on a CPU) replaced by the model's, each half a ring all-reduce on "
+                  "the same link, at the calls and bytes a step it measured. A mode on one device has no "
+                  "communication to predict: its row checks that the phases add up to the step.",
               "", "### Projected", "", "| mode | link | devices | global batch | step (ms) | communication (ms) "
               "| exposed (ms) | samples/s | scaling efficiency |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for p in report["projections"]:

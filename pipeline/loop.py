@@ -570,9 +570,10 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
                 breakdown["timeline"] = timeline(probe.trace_file, rank.rank)
             # One exchange per epoch: every rank's times, its step breakdown, and its weights' checksum
             # to prove they agree.
-            walls, overheads, steady_walls, epoch_times, checksums, breakdowns, hosts, states = zip(*all_gather_objects(
-                (train_wall, probe.overhead_s, steady_wall, epoch_time, weight_checksum(model), breakdown, host_record,
-                 state_mb(wrapped, optimizer)), rank))
+            walls, overheads, steady_walls, epoch_times, checksums, breakdowns, hosts, states, peaks = zip(
+                *all_gather_objects((train_wall, probe.overhead_s, steady_wall, epoch_time, weight_checksum(model),
+                                     breakdown, host_record, state_mb(wrapped, optimizer),
+                                     peak_memory_mb(device) if device.type == "cuda" else None), rank))
             if len(set(checksums)) > 1:
                 raise RuntimeError(f"ranks out of sync after epoch {epoch + 1}: weight checksums per rank {checksums}")
             waited = probe.traced and probe.trace_start + probe.traced < steps
@@ -607,6 +608,8 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
                 # Each rank's parameters, gradients and optimizer state, in MiB (state_mb).
                 "rank_state_mb": list(states),
             }
+            if device.type == "cuda":  # each rank's allocator peak this epoch, activations and workspaces too
+                metrics["rank_peak_memory_mb"] = list(peaks)
             if scaler is not None:  # fp16's loss scale at the epoch's end: halved by each overflow
                 metrics["loss_scale"] = scaler.get_scale()
             if breakdown is not None:  # every rank's, on every rank

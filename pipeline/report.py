@@ -114,6 +114,7 @@ def comparison_rows(results: list[ModeResult]) -> list[dict]:
             "host_load": r.train.get("host_load"),
             "train_time_s": r.train["train_time_s"],
             "state_mb_per_rank": r.train.get("state_mb_per_rank"),  # older results lack it
+            "peak_memory_mb_per_rank": r.train.get("peak_memory_mb_per_rank"),  # GPUs only
             "test_accuracy": r.eval.get("accuracy"),  # a classifier's (MNIST's)
             "test_loss": r.eval.get("loss"),  # older results lack these
             # Another workload's metrics, each a mean over the test set (results/eval/<mode>.json).
@@ -222,6 +223,13 @@ def console_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def state_cell(row: dict) -> str:
+    """A rank's tensor bytes of weights, gradients and optimizer state; on GPUs its allocator's peak
+    beside them (activations and workspaces too)."""
+    peak = row.get("peak_memory_mb_per_rank")
+    return _fmt(row["state_mb_per_rank"], ".2f") + ("" if peak is None else f" (peak {peak:,.0f})")
+
+
 def _fmt(value, pattern: str) -> str:
     return "n/a" if value is None else format(value, pattern)
 
@@ -247,7 +255,7 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
             f"{row['samples_per_s']:,.0f} | {_fmt(row['steady_samples_per_s'], ',.0f')} | "
             f"{interval_text(row['step'], '.2f', scale=1000)} | {interval_text(speedup, '.2f', 'x')} | "
             f"{interval_text(efficiency, '.0f', '%', scale=100)} | {row['train_time_s']:.1f} | "
-            f"{_fmt(row['state_mb_per_rank'], '.2f')} | {quality(row)[1]} |"
+            f"{state_cell(row)} | {quality(row)[1]} |"
         )
     first = rows[0] if rows else None
     if first and first["speedup_from"] == "median_step":

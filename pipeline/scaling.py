@@ -79,6 +79,18 @@ def ddp_exposed_s(buckets: list[dict], backward_compute_s: float, link: Link, ra
     return total, max(0.0, end - backward_compute_s)
 
 
+def fsdp_comm_s(collectives: dict, link: Link, ranks: int) -> float:
+    """FSDP2's all-gathers and reduce-scatters of one step (pipeline.breakdown's calls and bytes a
+    step) as the two halves of the ring all-reduce: each call (p-1)·α, and its whole buffer's n bytes
+    (p-1)/p·n·c/2, c the link's 2β+γ (so β+γ/2 a byte for either: a gather has no γ, a
+    reduce-scatter all of it, one after the other)."""
+    total = 0.0
+    for kind in ("all_gather", "reduce_scatter"):
+        k = collectives[kind]
+        total += k["calls"] * (ranks - 1) * link.latency_s + (ranks - 1) / ranks * k["bytes"] * link.per_byte_s / 2
+    return total
+
+
 def slowest_rank(breakdown: dict) -> dict | None:
     """The rank whose median step was longest: a synchronous step goes at its pace."""
     ranks = breakdown.get("ranks") or []
@@ -120,6 +132,12 @@ def predict(breakdown: dict, link: Link | None) -> dict | None:
             predicted = measured - m["comm_exposed"] + exposed
         else:
             predicted = m["compute"] + exposed
+    elif breakdown["mode"] == "fsdp" and breakdown["world_size"] > 1:
+        if link is None or not rank.get("collectives"):  # a GPU's are not measured (pipeline.breakdown)
+            return None
+        # The CPU's collectives hold the training thread: all of them exposed, the rest compute.
+        comm = exposed = fsdp_comm_s(rank["collectives"], link, breakdown["world_size"])
+        predicted = measured - m["comm_exposed"] + exposed
     elif len(rank.get("dp_median_s") or {}) == 4:  # DataParallel over 2 or more GPUs
         parts = rank["dp_median_s"]
         comm, exposed = parts["scatter"] + parts["gather"], 0.0
@@ -176,6 +194,8 @@ ASSUMPTIONS = (
     "so the learning rate and the number of steps would need retuning to train the same model.",
     "All-reduce: the ring formula 2(p-1)·α + (p-1)/p·n·(2β+γ); the buckets are reduced one at a time in the "
     "order they became ready. NCCL uses trees at scale, so the latency term is pessimistic at 512 devices.",
+    "fsdp: each all-gather and reduce-scatter as half the ring, (p-1)·α + (p-1)/p·n·(2β+γ)/2, at the calls and "
+    "bytes a step it measured; all exposed, as on the CPU, where FSDP2 makes each on the training thread.",
     "commcheck's link: 2β+γ from the slope of its all_reduce times from 16 KiB up, α from the times up to 16 KiB; a named link: "
     "its bus bandwidth and latency as given in params.yaml (compare.link_*), with γ = 0 (GPUs reduce at memory speed).",
     "No contention: the devices' links do not share a switch's bandwidth, and communication does not slow "

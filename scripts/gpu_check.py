@@ -48,6 +48,8 @@ MECHANISMS = [
     ("peak memory per device", "test_peak_memory_per_device"),
     ("an empty DDP share under bf16 and channels_last", "test_an_empty_share_trains_nothing_on_the_gpu"),
     ("DDP over NCCL, uneven shares, float32 without TF32", "test_ddp_on_every_gpu_agrees_with_single"),
+    ("fsdp over NCCL: ddp's weights, 1/W of its state, the allocator peak per rank",
+     "test_fsdp_on_every_gpu_agrees_with_ddp_and_reports_the_allocator_peak"),
     ("DataParallel's scatter, replicas and gather over every GPU", "test_dataparallel_over_every_gpu_agrees_with_single"),
     ("the timeline: a lane for each GPU's kernels", "test_dataparallel_over_every_gpu_agrees_with_single"),
     ("a dropout stream per DataParallel replica (each GPU's generator)", "test_dataparallel_replicas_draw_dropout_masks_of_their_own"),

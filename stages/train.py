@@ -116,6 +116,9 @@ def summarize(config: Config, mode: str, rank: parallel.Rank, device, history: l
         "host_load": last.get("host_load"),
         # The largest rank's parameters, gradients and optimizer state, in MiB (fsdp's: about 1/W of ddp's).
         "state_mb_per_rank": round(max(last["rank_state_mb"]), 4) if "rank_state_mb" in last else None,
+        # On GPUs, the largest rank's allocator peak in the last epoch (torch.cuda.max_memory_allocated).
+        "peak_memory_mb_per_rank": (round(max(last["rank_peak_memory_mb"]), 1)
+                                    if "rank_peak_memory_mb" in last else None),
         **{key: last[key] for key in quality_keys(last)},
     }
 

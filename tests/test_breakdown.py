@@ -32,6 +32,21 @@ def test_communication_during_the_backward_is_overlapped_and_the_rest_exposed():
 
 
 @pytest.mark.fast
+def test_collectives_that_hold_the_training_thread_are_exposed_in_their_phase():
+    # fsdp on the CPU: data 1, forward 3 (1 to 4) with an all-gather 1.5 to 2.0, backward 5 (4 to 9)
+    # with an all-gather 4.0 to 4.5 and a reduce-scatter 8.0 to 9.0, optimizer 1. The training
+    # thread made each call and waited it out: nothing ran beside it.
+    row = step_breakdown([1.0, 3.0, 5.0, 1.0], [(1.5, 2.0), (4.0, 4.5), (8.0, 9.0)], blocking=True)
+    assert row["comm"] == row["comm_exposed"] == pytest.approx(2.0) and row["comm_overlapped"] == 0
+    assert row["forward_compute"] == pytest.approx(2.5) and row["backward_compute"] == pytest.approx(3.5)
+    parts = ("data", "forward_compute", "backward_compute", "comm_exposed", "optimizer")
+    assert sum(row[p] for p in parts) == pytest.approx(row["step"]) == pytest.approx(10.0)
+    assert row["compute"] == pytest.approx(8.0)
+    # DDP's all-reduce runs beside the backward: the forward is all compute.
+    assert step_breakdown([1.0, 3.0, 5.0, 1.0], [(8.0, 9.0)])["forward_compute"] == 3.0
+
+
+@pytest.mark.fast
 def test_the_ring_all_reduce_follows_thakur_rabenseifner_gropp():
     link = scaling.Link("x", latency_s=1e-5, per_byte_s=2e-9, source="")
     # 2(p-1)·α + (p-1)/p·n·(2β+γ) at p = 4, n = 1 MB
@@ -81,6 +96,27 @@ def test_dataparallel_s_gather_wait_for_the_other_replicas_shrinks_with_their_ba
     assert scaling.project_dp(breakdown(0.1), 4)["step_s"] == pytest.approx(0.1 + 0.2 + 0.1)
     # 0.3 of gather was GPU 1's replica finishing after GPU 0's: it halves with them.
     assert scaling.project_dp(breakdown(0.4), 4)["step_s"] == pytest.approx(0.1 + (0.4 + 0.3) / 2 + 0.1)
+
+
+@pytest.mark.fast
+def test_fsdp_s_prediction_replaces_its_measured_collectives_with_the_ring_s_halves():
+    """3 ranks, 6 all-gathers of 2 MB and 3 reduce-scatters of 1 MB in all a step, measured at 5 ms,
+    all exposed, of a 12 ms step: the prediction is the step's 7 ms of compute plus the model's
+    collectives, each call (p-1)·α and each byte (p-1)/p·c/2."""
+    link = scaling.Link("x", latency_s=1e-4, per_byte_s=2e-9, source="")
+    collectives = {"all_gather": {"calls": 6, "bytes": 2_000_000, "median_s": 0.004},
+                   "reduce_scatter": {"calls": 3, "bytes": 1_000_000, "median_s": 0.001}}
+    ranks = [{"median_s": {"step": 0.012, "comm": 0.005, "comm_exposed": 0.005, "compute": 0.007},
+              "collectives": collectives, "step_s": [0.012] * 3, "windows": 1}]
+    model = (6 + 3) * 2 * 1e-4 + 2 / 3 * (2_000_000 + 1_000_000) * 1e-9
+    assert scaling.fsdp_comm_s(collectives, link, 3) == pytest.approx(model)
+    predicted = scaling.predict({"mode": "fsdp", "world_size": 3, "ranks": ranks}, link)
+    assert predicted["predicted_step_s"] == pytest.approx(0.007 + model)
+    assert predicted["predicted_comm_s"] == predicted["predicted_exposed_s"] == pytest.approx(model)
+    # Without a link, or on a GPU (its collectives unmeasured), no prediction.
+    assert scaling.predict({"mode": "fsdp", "world_size": 3, "ranks": ranks}, None) is None
+    unmeasured = [{**ranks[0], "collectives": None, "comm_unmeasured": "fsdp on a GPU"}]
+    assert scaling.predict({"mode": "fsdp", "world_size": 3, "ranks": unmeasured}, link) is None
 
 
 @pytest.mark.fast

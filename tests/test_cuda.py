@@ -168,6 +168,27 @@ def test_ddp_on_every_gpu_agrees_with_single(gpu_project):
     assert difference < FP32_RELATIVE_TOLERANCE
 
 
+def test_fsdp_on_every_gpu_agrees_with_ddp_and_reports_the_allocator_peak(gpu_project):
+    """FSDP2 over NCCL on every GPU, float32 without TF32: ddp's weights to rounding, each rank 1/W
+    of ddp's tensor bytes, each rank's allocator peak in the results (compare's table shows it), and
+    its communication named unmeasured rather than 0 (its collectives run on streams of their own)."""
+    train_cli(gpu_project, "ddp")
+    train_cli(gpu_project, "fsdp")
+    count = torch.cuda.device_count()
+    difference = relative_difference(load_weights(gpu_project, "ddp"), load_weights(gpu_project, "fsdp"))
+    print(f"relative |ddp - fsdp| on {count} GPU(s): {difference:.2e}")
+    assert difference < FP32_RELATIVE_TOLERANCE
+    ddp, fsdp = (json.loads((gpu_project / f"results/train/{mode}.json").read_text()) for mode in ("ddp", "fsdp"))
+    assert fsdp["backend"] == "nccl" and fsdp["world_size"] == count
+    if count > 1:
+        assert fsdp["state_mb_per_rank"] < 0.6 * ddp["state_mb_per_rank"]
+    for summary in (ddp, fsdp):  # the allocator's peak holds the state, and activations besides
+        assert summary["peak_memory_mb_per_rank"] > summary["state_mb_per_rank"], summary
+    if count > 1:
+        ranks = json.loads((gpu_project / "results/breakdown/fsdp.json").read_text())["ranks"]
+        assert all("fsdp on a GPU" in r["comm_unmeasured"] for r in ranks if "median_s" in r)
+
+
 def test_dataparallel_over_every_gpu_agrees_with_single(gpu_project):
     train_cli(gpu_project, "dp")
     count = torch.cuda.device_count()

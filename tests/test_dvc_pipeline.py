@@ -340,8 +340,19 @@ def test_the_report_says_where_the_time_goes_and_what_more_devices_would_give(re
     assert links == ["commcheck", "nvlink", "infiniband", "ethernet"]
     projected = {(p["link"], p["devices"]) for p in scaling["projections"] if p["mode"] == "ddp"}
     assert projected == {(link, n) for link in links for n in (8, 64, 512)}
-    for line in ("| data |", "| forward |", "| communication, exposed |", "| **step** |", "Assumptions:"):
+    for line in ("| data |", "| forward (compute) |", "| communication, exposed |", "| **step** |", "Assumptions:"):
         assert line in report, line
+    # fsdp's all-gathers and reduce-scatters, measured, and predicted
+    from pipeline.scaling import slowest_rank
+
+    fsdp = slowest_rank(json.loads((project / "results/breakdown/fsdp.json").read_text()))
+    assert fsdp["median_s"]["comm_exposed"] == fsdp["median_s"]["comm"] > 0 and fsdp["comm_overlap_fraction"] == 0
+    assert re.search(r"fsdp's collectives a step: \d+ all-gathers of [\d.]+ MiB in all, [\d.]+ ms; \d+ "
+                     r"reduce-scatters of [\d.]+ MiB in all, [\d.]+ ms", report), report
+    predicted = scaling["predictions"]["fsdp"]  # from commcheck's link, as ddp's
+    assert predicted["world_size"] == 2 and predicted["predicted_comm_s"] == predicted["predicted_exposed_s"] > 0
+    fsdp_error = f"{predicted['prediction_error']:+.1%}"
+    assert re.search(rf"\| fsdp \| 2 \| [\d.]+ \| [\d.]+ \| {re.escape(fsdp_error)} \|", report), report
     assert (project / "reports/timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -113,6 +113,36 @@ def short_last_batch_rank(r: int, world: int, out) -> None:
         torch.save({"weights": model.state_dict(), "history": history}, out / "fsdp.pt")
 
 
+@pytest.mark.parametrize("config", [0, 1], ids=["plain", "accumulated"])
+def test_each_step_s_all_gathers_and_reduce_scatters_are_timed_and_exposed(three_ranks, config):
+    """The last epoch's breakdown on every rank: each unit's weights all-gathered for its forward and
+    again for its backward (each micro-batch's), its gradient reduce-scattered once a step, whole
+    padded buffers of the bytes the shards make; on the CPU each call holds the training thread, so
+    all of it is exposed, and the phases less it still add up to the step. The weights are those the
+    other tests compare with single's: the timed collectives are FSDP's own."""
+    from pipeline.model import build_model
+    from pipeline.parallel import shard_units
+
+    world, cfg = 3, CONFIGS[3][config]
+    units = list(shard_units(build_model("small")))
+    # FSDP2 pads each parameter's first dimension to a multiple of the world: the gathered buffer.
+    padded = sum(-(-p.shape[0] // world) * world * p[0].numel() * p.element_size()
+                 for unit in units for p in unit.parameters())
+    ranks = torch.load(three_ranks / f"{config}.pt", weights_only=True)["history"][-1]["breakdown"]
+    assert len(ranks) == world
+    for rank in ranks:
+        kinds, median = rank["collectives"], rank["median_s"]
+        assert kinds["all_gather"]["calls"] == 2 * len(units) * cfg.grad_accum_steps, kinds
+        assert kinds["reduce_scatter"]["calls"] == len(units), kinds
+        assert kinds["all_gather"]["bytes"] == 2 * padded * cfg.grad_accum_steps
+        assert kinds["reduce_scatter"]["bytes"] == padded
+        assert all(k["median_s"] > 0 for k in kinds.values())
+        assert rank["comm_overlap_fraction"] == 0.0 and median["comm_exposed"] == median["comm"] > 0
+        assert median["forward_compute"] < median["forward"] and median["backward_compute"] < median["backward"]
+        parts = sum(median[p] for p in ("data", "forward_compute", "backward_compute", "comm_exposed", "optimizer"))
+        assert parts == pytest.approx(median["step"], rel=0.25)  # medians of each part: about the step
+
+
 def test_fsdp_accumulates_over_a_short_last_batch_that_leaves_a_rank_empty_parts(tmp_path, three_ranks):
     single, history = train(Training(dataclasses.replace(train_config(batch_size=12), grad_accum_steps=1), "single",
                                      Rank(), torch.device("cpu"), rank_dir(tmp_path / "single", 0)),
