@@ -45,8 +45,8 @@ def train(project: Path, mode: str) -> dict:
     kinds = (slowest or {}).get("collectives") or {}
     predicted = scaling.predict(breakdown, scaling.measured_link(breakdown["link"]) if breakdown.get("link") else None)
     return {"step_ms": 1000 * slowest["median_s"]["step"] if slowest else None,
-            "comm_ms": 1000 * slowest["median_s"]["comm"] if slowest else None,
-            "exposed_ms": 1000 * slowest["median_s"]["comm_exposed"] if slowest else None,
+            "comm_ms": ms(slowest["median_s"]["comm"]) if slowest else None,  # None: not measured (a GPU's fsdp)
+            "exposed_ms": ms(slowest["median_s"]["comm_exposed"]) if slowest else None,
             "all_gather_ms": 1000 * kinds["all_gather"]["median_s"] if kinds else None,
             "reduce_scatter_ms": 1000 * kinds["reduce_scatter"]["median_s"] if kinds else None,
             "predicted_ms": 1000 * predicted["predicted_step_s"] if predicted else None,
@@ -54,6 +54,10 @@ def train(project: Path, mode: str) -> dict:
             else None,
             "mean_step_ms": 1000 * summary["steady_step_s"] if summary.get("steady_step_s") else None,
             "state_mb": summary["state_mb_per_rank"], "world": summary["world_size"]}
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000 * seconds
 
 
 def cell(key: str, value: float | None) -> str:

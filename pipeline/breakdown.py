@@ -15,8 +15,10 @@ Three instruments, all on every rank:
   which stamp each call's start and end on the same clock while a measured step runs. On the CPU
   FSDP2 makes each call synchronously on the training thread (torch 2.14: `foreach_reduce` passes
   no `async_op`, and `unshard`'s is False, there being no stream to prefetch on), so every second of
-  it is one the step waited: exposed, inside the phase it fell in. On a GPU the stamps are events on
-  the collective's own stream: its time is measured, its overlap with the compute is not.
+  it is one the step waited: exposed, inside the phase it fell in. On a GPU the collectives run on
+  streams of their own beside the compute, and under hybrid sharding an all-reduce between the
+  replicas follows the reduce-scatters: neither is timed, and the breakdown says its communication
+  is unmeasured (None), never 0.
 - `Tracer` runs torch.profiler over a few steps after the measured window and keeps its Chrome
   trace (Perfetto opens it): the phases as record_function ranges, the backend's own collective
   events (gloo:all_reduce on its threads, NCCL's kernels on their stream) and DataParallel's
@@ -315,6 +317,9 @@ class Probe:
             if self.clock.cuda:
                 self.comm_unmeasured = ("fsdp on a GPU: FSDP2's collectives run on streams of their own, and what "
                                         "of them the compute waits for is not measured")
+            elif next(wrapped.parameters()).device_mesh.ndim > 1:
+                self.comm_unmeasured = ("fsdp under hybrid sharding: the all-reduce between the replicas, after the "
+                                        "reduce-scatters, is not timed")
             else:
                 self.shard = shard_timer(self.clock, wrapped)
 
@@ -469,8 +474,9 @@ class Probe:
         if self.shard:
             out["collectives"] = self.shard.per_step(self.window_steps)
             self.shard.calls.clear()
-        if self.comm_unmeasured:
+        if self.comm_unmeasured:  # not a false 0: no communication figure at all
             out["comm_unmeasured"] = self.comm_unmeasured
+            median.update(comm=None, comm_overlapped=None, comm_exposed=None, compute=None)
         if self.comm:
             out["buckets"] = self.bucket_layout()
             if not apart:  # else its window's compute is no sample of the others' (pipeline.scaling.predict)

@@ -149,7 +149,8 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
             rank = scaling.slowest_rank(breakdowns[mode])
             why = (f"no step measured: {breakdowns[mode].get('unmeasured') or 'train.breakdown_steps is 0'}"
                    if rank is None else f"its communication is not measured ({rank['comm_unmeasured']})"
-                   if rank.get("comm_unmeasured") else
+                   if rank.get("comm_unmeasured") else "its collectives were not timed (trained before they were)"
+                   if mode == "fsdp" and not rank.get("collectives") else
                    "no link measured for this world (commcheck off, failed, or its all_reduce stopped below 64 KiB)")
             lines.append(f"| {mode} | | | n/a: {why} | | | |")
             continue

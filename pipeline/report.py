@@ -240,7 +240,7 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
         "",
         "| mode | world size (nodes × processes) | batch per rank or GPU | device | epochs | samples/s "
         "| samples/s after warm-up | step (ms, 95% interval) | speed-up over single | scaling efficiency "
-        f"| training time (s) | weights, gradients, optimizer state per rank (MiB) "
+        f"| training time (s) | weights, gradients, optimizer state per rank (MiB; on GPUs, the allocator's peak) "
         f"| {quality(rows[0])[0] if rows else 'test accuracy'} |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]

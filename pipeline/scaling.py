@@ -80,15 +80,15 @@ def ddp_exposed_s(buckets: list[dict], backward_compute_s: float, link: Link, ra
 
 
 def fsdp_comm_s(collectives: dict, link: Link, ranks: int) -> float:
-    """FSDP2's all-gathers and reduce-scatters of one step (pipeline.breakdown's calls and bytes a
-    step) as the two halves of the ring all-reduce: each call (p-1)·α, and its whole buffer's n bytes
-    (p-1)/p·n·c/2, c the link's 2β+γ (so β+γ/2 a byte for either: a gather has no γ, a
-    reduce-scatter all of it, one after the other)."""
-    total = 0.0
-    for kind in ("all_gather", "reduce_scatter"):
-        k = collectives[kind]
-        total += k["calls"] * (ranks - 1) * link.latency_s + (ranks - 1) / ranks * k["bytes"] * link.per_byte_s / 2
-    return total
+    """FSDP2's all-gathers and reduce-scatters of one step, at the calls and bytes a step the CPU's
+    breakdown measured (pipeline.breakdown; a GPU's are not): an all-gather as half the ring, each
+    call (p-1)·α and its whole buffer's n bytes (p-1)/p·n·c/2, c the link's 2β+γ; a reduce-scatter
+    as the whole ring all-reduce, as gloo makes it (ProcessGroupGloo's reduce-scatter all-reduces a
+    copy of the input and keeps its rank's chunk)."""
+    gather, scatter = collectives["all_gather"], collectives["reduce_scatter"]
+    share = (ranks - 1) / ranks * link.per_byte_s
+    return (gather["calls"] * (ranks - 1) * link.latency_s + share * gather["bytes"] / 2
+            + scatter["calls"] * 2 * (ranks - 1) * link.latency_s + share * scatter["bytes"])
 
 
 def slowest_rank(breakdown: dict) -> dict | None:
@@ -194,8 +194,9 @@ ASSUMPTIONS = (
     "so the learning rate and the number of steps would need retuning to train the same model.",
     "All-reduce: the ring formula 2(p-1)·α + (p-1)/p·n·(2β+γ); the buckets are reduced one at a time in the "
     "order they became ready. NCCL uses trees at scale, so the latency term is pessimistic at 512 devices.",
-    "fsdp: each all-gather and reduce-scatter as half the ring, (p-1)·α + (p-1)/p·n·(2β+γ)/2, at the calls and "
-    "bytes a step it measured; all exposed, as on the CPU, where FSDP2 makes each on the training thread.",
+    "fsdp: each all-gather as half the ring, (p-1)·α + (p-1)/p·n·(2β+γ)/2, each reduce-scatter as gloo makes it, "
+    "a whole ring all-reduce, at the calls and bytes a step it measured on the CPU; all exposed there, where "
+    "FSDP2 makes each on the training thread.",
     "commcheck's link: 2β+γ from the slope of its all_reduce times from 16 KiB up, α from the times up to 16 KiB; a named link: "
     "its bus bandwidth and latency as given in params.yaml (compare.link_*), with γ = 0 (GPUs reduce at memory speed).",
     "No contention: the devices' links do not share a switch's bandwidth, and communication does not slow "

@@ -102,13 +102,14 @@ def test_dataparallel_s_gather_wait_for_the_other_replicas_shrinks_with_their_ba
 def test_fsdp_s_prediction_replaces_its_measured_collectives_with_the_ring_s_halves():
     """3 ranks, 6 all-gathers of 2 MB and 3 reduce-scatters of 1 MB in all a step, measured at 5 ms,
     all exposed, of a 12 ms step: the prediction is the step's 7 ms of compute plus the model's
-    collectives, each call (p-1)·α and each byte (p-1)/p·c/2."""
+    collectives: an all-gather half the ring, (p-1)·α a call and (p-1)/p·c/2 a byte; a reduce-scatter
+    all of it, as gloo all-reduces for it, 2(p-1)·α and (p-1)/p·c."""
     link = scaling.Link("x", latency_s=1e-4, per_byte_s=2e-9, source="")
     collectives = {"all_gather": {"calls": 6, "bytes": 2_000_000, "median_s": 0.004},
                    "reduce_scatter": {"calls": 3, "bytes": 1_000_000, "median_s": 0.001}}
     ranks = [{"median_s": {"step": 0.012, "comm": 0.005, "comm_exposed": 0.005, "compute": 0.007},
               "collectives": collectives, "step_s": [0.012] * 3, "windows": 1}]
-    model = (6 + 3) * 2 * 1e-4 + 2 / 3 * (2_000_000 + 1_000_000) * 1e-9
+    model = 6 * 2 * 1e-4 + 2 / 3 * 2_000_000 * 2e-9 / 2 + 3 * 4 * 1e-4 + 2 / 3 * 1_000_000 * 2e-9
     assert scaling.fsdp_comm_s(collectives, link, 3) == pytest.approx(model)
     predicted = scaling.predict({"mode": "fsdp", "world_size": 3, "ranks": ranks}, link)
     assert predicted["predicted_step_s"] == pytest.approx(0.007 + model)
