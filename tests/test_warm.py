@@ -89,21 +89,6 @@ def served(project):
     stop_servers(project)
 
 
-@pytest.fixture
-def served_on(project):
-    """The module's project with no training left over, and the warm server the test before left
-    of long_training's environment kept, not stopped: each server started costs the imports of a
-    fresh process, and these tests' claims are the same of a server that has served a command
-    before (as every stage's after the first under `dvc repro`). Only such tests leave a server
-    behind (every test on `served` stops them), so a server found here is one of theirs; one still
-    busy, or beside another (a failed test's), is stopped."""
-    servers = servers_for(project)
-    if len(servers) > 1 or any(alive(child) for server in servers for child in children_of(server)):
-        stop_servers(project)
-    shutil.rmtree(project / "models", ignore_errors=True)
-    yield project
-
-
 @contextmanager
 def long_training(project: Path, mode: str, **popen) -> Iterator[subprocess.Popen]:
     """The client of `train --mode MODE` for 500 epochs, through the warm server: each test stops
@@ -198,12 +183,12 @@ def test_a_fork_is_the_command_a_fresh_process_would_run(served):
         (done.returncode, done.stdout, done.stderr.replace("\n", ""))
 
 
-def test_signals_reach_the_ddp_training_and_its_workers_are_forks_of_forks(served_on):
+def test_signals_reach_the_ddp_training_and_its_workers_are_forks_of_forks(served):
     """Ctrl-C at the client stops the training in the server's fork as it stops one in the
     client's own process: every run ends FAILED, the client exits as interrupted, nothing stays.
     The DDP fork server is a fork of that fork: the workers run the warm server's code, not a
     fresh `python -c from multiprocessing.forkserver ...`."""
-    project = served_on
+    project = served
     with long_training(project, "ddp", stdout=subprocess.PIPE, stderr=subprocess.PIPE) as client:
         parent = first_epoch_run(project, "ddp", client, timeout=300)
         assert parent is not None, client.communicate()[1][-3000:] if client.poll() is not None else "no epoch"
@@ -234,10 +219,10 @@ def test_signals_reach_the_ddp_training_and_its_workers_are_forks_of_forks(serve
     assert not [pid for pid in [*forks, *workers.values()] if alive(pid)]
 
 
-def test_a_client_killed_outright_takes_its_command_with_it(served_on):
+def test_a_client_killed_outright_takes_its_command_with_it(served):
     """And a signal the client was started ignoring (nohup's SIGHUP) is ignored by the command
     too, as a fresh process would inherit it."""
-    project = served_on
+    project = served
     with long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN)) as client:
         assert first_epoch_run(project, "single", client, timeout=300) is not None
@@ -266,10 +251,10 @@ def test_a_client_killed_outright_takes_its_command_with_it(served_on):
         assert servers_for(project) == [server]  # it reaped the fork and serves on
 
 
-def test_a_job_wide_sigterm_ends_the_runs_failed(served_on):
+def test_a_job_wide_sigterm_ends_the_runs_failed(served):
     """`scancel`, `systemctl stop`: SIGTERM reaches the client and the command at once, and the
     client passes it on too; the second must not cut short the first's cleanup."""
-    project = served_on
+    project = served
     with long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as client:
         parent = first_epoch_run(project, "single", client, timeout=300)
         assert parent is not None
@@ -284,13 +269,13 @@ def test_a_job_wide_sigterm_ends_the_runs_failed(served_on):
     assert ranks and {run.info.status for run in [store.get_run(parent.info.run_id), *ranks]} == {"FAILED"}
 
 
-def test_a_stopped_command_whose_server_dies_still_ends_its_runs(served_on):
+def test_a_stopped_command_whose_server_dies_still_ends_its_runs(served):
     """Ctrl-Z, then the server is killed: the kernel hangs up the command's orphaned, stopped
     group (SIGHUP, SIGCONT); the command ends as SIGTERM ends it, its run FAILED, not RUNNING. The
     command is one a terminal started, SIGHUP not ignored, whatever the suite runs under (`nohup
     make test`: a command started ignoring SIGHUP rightly ignores it, as
     test_a_client_killed_outright_takes_its_command_with_it shows)."""
-    project = served_on
+    project = served
     with long_training(project, "single", stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL)) as client:
         parent = first_epoch_run(project, "single", client, timeout=300)
@@ -443,9 +428,8 @@ def test_a_command_longer_than_the_idle_time_leaves_its_server_serving(served):
 
 def test_an_idle_server_ends_and_only_its_user_reaches_it(served):
     project = served
-    # The probes below must reach the server before it ends, on a busy day too: a look at /proc, a
-    # fork's connect() and a bare Python's, a second or two where a slow day's imports take minutes.
-    # The rest of the idle time is waited out below, idle.
+    # The probes below (a look at /proc, a fork's connect() and a bare Python's) must reach the
+    # server before it ends: a few seconds, stretched on a slow day. The test then waits out the rest.
     idle = f"{scaled(6):g}"
     env = warm_env(project, MNIST_PIPELINE_WARM_IDLE_S=idle)
     done = subprocess.run(["mnist-pipeline", "train", "--mode", "single", "--params", "missing.yaml"], cwd=project,
