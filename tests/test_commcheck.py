@@ -247,14 +247,16 @@ def test_nothing_to_check_without_ddp(project, passed):
     params = yaml.safe_load((project / "params.yaml").read_text())
     params["train"]["modes"] = ["single", "dp"]
     (project / "params-no-ddp.yaml").write_text(yaml.safe_dump(params))
-    # The last verdict a passing run wrote, put back: a test since may have left another there
-    # (test_disabled's {"enabled": false}, the very file this command writes where there is none).
+    # A passing run's verdict and report put back: a test since may have left others there
+    # (test_disabled's {"enabled": false}, the very verdict this command writes where there is none).
     verdict = passed(2).verdict
     (project / "checks/comm.json").write_text(verdict)
+    (project / "results/comm.json").write_text(json.dumps(passed(2).report))
     result = run(["mnist-pipeline", "commcheck", "--params", "params-no-ddp.yaml"], project, **project_env(project))
     assert "nothing to check (neither ddp nor fsdp is in train.modes" in result.stdout and "launching" not in result.stdout
     assert (project / "checks/comm.json").read_text() == verdict
-    assert json.loads((project / "results/comm.json").read_text())["enabled"] is False
+    assert json.loads((project / "results/comm.json").read_text()) == {
+        "enabled": False, "skipped": "neither ddp nor fsdp is in train.modes"}
 
 
 def test_a_batch_ddp_cannot_split_fails_before_any_training(project):
