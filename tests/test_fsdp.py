@@ -162,6 +162,9 @@ def hybrid_rank(r: int, world: int, out) -> None:
         if r == 0:
             torch.save({"weights": model.state_dict(), "history": history}, out / f"{sharding}.pt")
     # Its checkpoint, resumed by 4 workers on one node: 1 replica, not 2, so refused before any step.
+    # Rank 0 writes it after the epoch's last collective: the others wait for that (a restarted job's
+    # workers find it written).
+    dist.barrier()
     state = read_checkpoint(out / "hybrid" / "rank-0" / CHECKPOINT_FILE)
     run = Training(cfg, "fsdp", Rank(r, r, world, world), torch.device("cpu"), rank_dir(out / "hybrid", r),
                    resume_state=state)
