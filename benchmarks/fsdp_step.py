@@ -40,8 +40,7 @@ def train(project: Path, mode: str) -> dict:
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     summary = json.loads((project / "results/train" / f"{mode}.json").read_text())
     breakdown = json.loads((project / "results/breakdown" / f"{mode}.json").read_text())
-    ranks = [rank for rank in breakdown["ranks"] if "median_s" in rank]
-    slowest = max(ranks, key=lambda rank: rank["median_s"]["step"]) if ranks else None
+    slowest = scaling.slowest_rank(breakdown)
     kinds = (slowest or {}).get("collectives") or {}
     predicted = scaling.predict(breakdown, scaling.measured_link(breakdown["link"]) if breakdown.get("link") else None)
     return {"step_ms": 1000 * slowest["median_s"]["step"] if slowest else None,

@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipeline.parallel import sharded
+
 log = logging.getLogger(__name__)
 PHASES = ("data", "forward", "backward", "optimizer")
 # The backend's collective events in a torch.profiler trace: gloo's on its worker threads, NCCL's
@@ -153,12 +155,6 @@ class CommTimer:
         tests/test_breakdown.py holds the weights bit for bit on gloo; NCCL's path never ran here.)"""
         self.ddp.register_comm_hook(None, self.hook)
         self.attached = True
-
-
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
 
 
 def shard_timer(clock: StepClock, model: nn.Module) -> ShardTimer:
@@ -313,7 +309,7 @@ class Probe:
             self.comm = CommTimer(self.clock, wrapped, rank_world)  # hooked when the window opens
         elif isinstance(wrapped, nn.DataParallel):
             timed_data_parallel(wrapped, self.clock, self.dp_parts)
-        elif is_sharded(wrapped) and rank_world > 1:
+        elif sharded(wrapped) and rank_world > 1:
             if self.clock.cuda:
                 self.comm_unmeasured = ("fsdp on a GPU: FSDP2's collectives run on streams of their own, and what "
                                         "of them the compute waits for is not measured")

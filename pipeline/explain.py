@@ -161,8 +161,9 @@ def markdown(breakdowns: dict[str, dict], report: dict) -> str:
                   "each step, plus the exposed all-reduce the model computes from commcheck's measured link at DDP's "
                   "bucket sizes (with the comm timer in a window of its own: the measured step with the all-reduce "
                   "its window saw replaced by the model's). fsdp's: the measured step with its all-gathers and "
-                  "reduce-scatters (all exposed on a CPU) replaced by the model's, each half a ring all-reduce on "
-                  "the same link, at the calls and bytes a step it measured. A mode on one device has no "
+                  "reduce-scatters (all exposed on a CPU) replaced by the model's on the same link, at the calls "
+                  "and bytes a step it measured: an all-gather half a ring all-reduce, a reduce-scatter a whole "
+                  "one (gloo all-reduces for it). A mode on one device has no "
                   "communication to predict: its row checks that the phases add up to the step.",
               "", "### Projected", "", "| mode | link | devices | global batch | step (ms) | communication (ms) "
               "| exposed (ms) | samples/s | scaling efficiency |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
