@@ -374,9 +374,10 @@ def free_port() -> int:
 SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
-def start_mlflow_server(home: Path, *args: str):
+def start_mlflow_server(home: Path, *args: str, artifacts: str | None = None, env: dict[str, str] | None = None):
     """A real `mlflow server` on 127.0.0.1 with its own SQLite store and artifact folder in `home`
-    (and `args` on its command line): its process, its URI and its log, once it answers (if only
+    (or `artifacts`, a URL; "": none, for a server that serves no artifacts), `args` on its command
+    line and `env` in its environment: its process, its URI and its log, once it answers (if only
     to refuse)."""
     import urllib.error
     import urllib.request
@@ -386,8 +387,8 @@ def start_mlflow_server(home: Path, *args: str):
     proc = subprocess.Popen(
         ["mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
          "--backend-store-uri", f"sqlite:///{home / 'server.db'}",
-         "--artifacts-destination", str(home / "artifacts"), *args],
-        cwd=home, env=subprocess_env(**SERVER_ENV), stdout=log, stderr=subprocess.STDOUT,
+         *(["--artifacts-destination", artifacts or str(home / "artifacts")] if artifacts != "" else []), *args],
+        cwd=home, env=subprocess_env(**SERVER_ENV, **(env or {})), stdout=log, stderr=subprocess.STDOUT,
     )
     uri = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

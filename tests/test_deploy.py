@@ -78,6 +78,10 @@ def test_the_trainjob_runs_torchrun_on_the_runtime_it_names_with_what_nccl_and_o
     assert {"/workspace/data/prepared", "/workspace/models", "/workspace/results", "/workspace/plots"} <= set(mounts)
     (uri,) = [e for e in job["spec"]["trainer"]["env"] if e["name"] == "MLFLOW_TRACKING_URI"]
     assert "value" not in uri and uri["valueFrom"]["configMapKeyRef"]["key"] == "MLFLOW_TRACKING_URI"
+    # Every credential comes from a Secret, never from this file.
+    for name in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        (secret,) = [e for e in job["spec"]["trainer"]["env"] if e["name"] == name]
+        assert "value" not in secret and secret["valueFrom"]["secretKeyRef"]["name"], name
     assert "WORKDIR /workspace\n" in (ROOT / "Dockerfile").read_text()  # where the mounts land
 
 

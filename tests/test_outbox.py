@@ -207,3 +207,29 @@ def test_the_checker_holds_a_line_to_this_trainings_runs_files_and_registry_name
             raise AssertionError(f"accepted {line}")
     check({**model, "registered": "mnist-cnn"})
     check({"op": "metrics", "run": ours, "points": [["loss", 0.5, 1, 0]]})
+
+
+def test_refusals_and_outages_as_an_s3_bucket_answers_them():
+    """What MLflow's S3 uploads raise (boto3's S3UploadFailedError, raised while handling botocore's
+    ClientError, which keeps the bucket's HTTP status in a dict): a bucket that says no is a
+    refusal, one that is busy or not there is an outage."""
+    from boto3.exceptions import S3UploadFailedError
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    from pipeline.tracking.store import http_status, refused
+
+    def upload_failed(status: int, code: str) -> S3UploadFailedError:
+        try:
+            try:
+                raise ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                                  "PutObject")
+            except ClientError as exc:
+                raise S3UploadFailedError(f"Failed to upload model.pt to bucket/model.pt: {exc}")
+        except S3UploadFailedError as exc:
+            return exc
+
+    assert http_status(upload_failed(403, "AccessDenied")) == 403 and refused(upload_failed(403, "AccessDenied"))
+    assert refused(upload_failed(404, "NoSuchBucket"))
+    assert not refused(upload_failed(503, "SlowDown")) and not refused(upload_failed(500, "InternalError"))
+    assert not refused(EndpointConnectionError(endpoint_url="http://127.0.0.1:9/bucket/model.pt"))
+    assert http_status(RuntimeError("403")) is None

@@ -61,9 +61,9 @@ class Server:
 class Training:
     """`mnist-pipeline train --mode single`, its output read line by line as it comes."""
 
-    def __init__(self, project: Path, uri: str):
+    def __init__(self, project: Path, uri: str, **env: str):
         self.proc = subprocess.Popen(["mnist-pipeline", "train", "--mode", "single"], cwd=project, text=True,
-                                     env=subprocess_env(**project_env(project, MLFLOW_TRACKING_URI=uri)),
+                                     env=subprocess_env(**project_env(project, MLFLOW_TRACKING_URI=uri, **env)),
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.lines: list[str] = []
         self._queue: queue.Queue = queue.Queue()

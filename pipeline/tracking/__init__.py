@@ -22,6 +22,7 @@ This file holds only MLflow's process-wide settings, so that importing any of th
 and puts no other module on a stage's path.
 """
 
+import logging
 import os
 
 # A run prints the project's own lines. MLflow's INFO lines (schema migrations, "Skip logging GPU
@@ -38,3 +39,5 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
 # user did not ask for (air-gapped clusters, privacy rules): off, unless the user sets it to false.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # a bar per download, in a log
+# boto3, under MLflow's S3 artifacts, says at INFO where it found its credentials, in every rank's log.
+logging.getLogger("botocore").setLevel(logging.WARNING)

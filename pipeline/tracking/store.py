@@ -72,8 +72,22 @@ def http_status(exc: BaseException) -> int | None:
     response = getattr(exc, "response", None)  # requests' HTTPError, from artifact uploads
     if getattr(response, "status_code", None):
         return int(response.status_code)
+    if (bucket := _bucket_status(exc)) is not None:
+        return bucket
     if hasattr(exc, "get_http_status_code") and getattr(exc, "error_code", "INTERNAL_ERROR") != "INTERNAL_ERROR":
         return int(exc.get_http_status_code())
+    return None
+
+
+def _bucket_status(exc: BaseException) -> int | None:
+    """The status an S3 bucket answered (botocore's ClientError keeps it in a dict), also under
+    boto3's S3UploadFailedError, raised while handling it, with which MLflow's uploads fail."""
+    if type(exc).__module__.split(".")[0] not in ("boto3", "botocore", "s3transfer"):
+        return None
+    for link in (exc, exc.__cause__, exc.__context__):
+        response = getattr(link, "response", None)
+        if isinstance(response, dict) and (status := response.get("ResponseMetadata", {}).get("HTTPStatusCode")):
+            return int(status)
     return None
 
 
@@ -281,7 +295,50 @@ def preflight(config: TrackingConfig) -> str | None:
             raise PipelineError(
                 f"tracking.experiment = {config.experiment!r} is deleted in {shown(uri)}: restore it (`mlflow "
                 f"experiments restore --experiment-id {experiment.experiment_id}`) or choose another name")
-        return open_experiment(client, config.experiment, uri)
+        experiment_id = open_experiment(client, config.experiment, uri)
+        check_artifact_location(client.get_experiment(experiment_id).artifact_location)
+        return experiment_id
+
+
+def check_artifact_location(location: str) -> None:
+    """Where a server hands its artifacts to the clients to write themselves (`mlflow server
+    --no-serve-artifacts --default-artifact-root s3://BUCKET/PATH`), every rank writes to the bucket
+    with its own credentials. A missing or refused credential, an endpoint that does not answer or
+    a bucket that is not there is found here, before training, not as an outage once it is over.
+    (A server that serves its artifacts, mlflow-artifacts:/, writes them with its own.)"""
+    if not location.startswith("s3://"):
+        return
+    import boto3
+    import botocore.exceptions
+    from botocore.config import Config
+
+    bucket = urllib.parse.urlparse(location).netloc
+    # MLflow's own setting first; without it, boto3 reads AWS_ENDPOINT_URL(_S3) or goes to AWS.
+    endpoint = os.environ.get("MLFLOW_S3_ENDPOINT_URL") or None
+    where = f"the experiment's artifact location {location}"
+    at = shown(endpoint) if endpoint else "AWS (set MLFLOW_S3_ENDPOINT_URL for an S3-compatible server)"
+    client = boto3.client("s3", endpoint_url=endpoint, config=Config(
+        connect_timeout=HEALTH_TIMEOUT_S, read_timeout=HEALTH_TIMEOUT_S, retries={"max_attempts": 2}))
+    try:
+        client.head_bucket(Bucket=bucket)
+    except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError):
+        raise PipelineError(
+            f"{where}: every rank writes there itself, and this one has no S3 credentials; set AWS_ACCESS_KEY_ID "
+            "and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE and its ~/.aws/credentials) where every rank runs") from None
+    except botocore.exceptions.ClientError as exc:
+        status = _bucket_status(exc)
+        if status == 404:
+            raise PipelineError(f"{where}: bucket {bucket!r} does not exist at {at}; create it, or start the "
+                                "tracking server with an existing one") from None
+        if status in (301, 400, 401, 403):
+            raise PipelineError(
+                f"{where}: {at} refuses this client's credentials for bucket {bucket!r} (HTTP {status}); set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY to a key that may write it (and AWS_DEFAULT_REGION "
+                "to the bucket's region)") from None
+        raise PipelineError(f"{where}: {at} answered {reason(exc)}; fix the bucket or the server") from None
+    except botocore.exceptions.BotoCoreError as exc:  # no connection, a timeout, a malformed endpoint
+        raise PipelineError(f"{where}: cannot reach {at} ({reason(exc)}); start it, or fix "
+                            "MLFLOW_S3_ENDPOINT_URL") from None
 
 
 # MLflow 3's UI opens an experiment on its GenAI pages (traces, token usage) unless the experiment
