@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # DVC stages call `mnist-pipeline`, so the venv's bin must come first on PATH.
 export PATH := $(BIN):$(PATH)
 
-.PHONY: install lock run scaling test test-fast test-fast-coverage test-deps ui show plots lint image-check gpu-check clean
+.PHONY: install lock run scaling sweep test test-fast test-fast-coverage test-deps ui show plots lint image-check gpu-check clean
 
 install: $(STAMP)
 
@@ -42,6 +42,11 @@ run: install
 scaling: install
 	dvc repro prepare commcheck
 	mnist-pipeline scaling $(ARGS)
+
+# A grid of experiments on the Slurm cluster, one array task each; this shell waits for none of them
+# (docs/multi-node.md, "Sweeps on a cluster"): make sweep ARGS="-S train.lr=0.01,0.02 -S train.epochs=1,2"
+sweep: install
+	mnist-pipeline sweep $(ARGS)
 
 # The suite on TEST_WORKERS processes (pytest-xdist), each handed a test file at a time, the longest
 # first (tests/conftest.py): a file's module fixtures are made once. TEST_WORKERS=0: one process.

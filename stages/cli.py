@@ -27,7 +27,7 @@ in_warm_fork = False
 COMMANDS = {"prepare": "stages.prepare", "commcheck": "stages.commcheck", "train": "stages.train",
             "evaluate": "stages.evaluate", "compare": "stages.compare", "send-runs": "stages.send_runs",
             "rendezvous-check": "stages.rendezvous_check", "reproduce": "stages.reproduce",
-            "scaling": "stages.scaling"}
+            "scaling": "stages.scaling", "sweep": "stages.sweep"}
 
 
 class PipelineGroup(click.Group):

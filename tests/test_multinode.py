@@ -13,6 +13,7 @@ import signal
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -627,3 +628,69 @@ def test_a_gpu_training_asks_slurm_for_its_gpus_and_fails_clearly_where_none_is_
     assert proc.returncode != 0 and "Slurm job" in proc.stderr, proc.stderr[-3000:]
     assert re.search(r"mnist-pipeline train on node-[ab]: GPUs: 1, CPUs: 2", log), log[-3000:]
     assert "train.device is cuda, but no GPU is visible" in log, log[-3000:]
+
+
+def test_a_sweep_runs_as_one_array_job_and_comes_back_as_dvc_experiments(hosts, slurm, tracking_server, mnist_dir,
+                                                                          tmp_path):
+    """`mnist-pipeline sweep` on the login node (node-a): 4 experiments as 4 tasks of one array job,
+    and the command returns before any is done. Each task clones the project's git remote at the
+    commit, runs `dvc exp run` on its node, and pushes the experiment back. One task is cancelled
+    mid-run: that experiment alone fails, `sweep rerun` runs it again, and once all are done,
+    `sweep pull` brings them back: `make show` lists the 4 and MLflow has their runs by name."""
+    project = make_project(tmp_path / "proj", {
+        **SMALL, "commcheck": {"enabled": False}, "tracking": {"system_metrics": False},
+        "train": {**SMALL["train"], "modes": ["single"], "launcher": "slurm", "nodes": 1, "nproc": 1, "cpus_per_rank": 1,
+                  "epochs": 1}})
+    remote = tmp_path / "remote.git"  # the team's git server; here a bare repository both hosts see
+    subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
+    subprocess.run(["git", "remote", "add", "origin", str(remote)], cwd=project, check=True)
+    subprocess.run(["git", "push", "-q", "origin", "main"], cwd=project, check=True)
+    env = {**slurm, **project_env(project, MLFLOW_TRACKING_URI=tracking_server, MNIST_SOURCE=str(mnist_dir),
+                                  SWEEP_SCRATCH=str(tmp_path / "scratch"), **CREDENTIALS)}
+    (tmp_path / "scratch").mkdir()
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        proc = hosts[0].run(["mnist-pipeline", "sweep", *args], cwd=project, env=env, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc
+
+    submitted = cli("-S", "train.lr=0.01,0.02", "-S", "train.epochs=1,2", "--name", "grid")
+    sweep_id = re.search(r"^sweep (\S+): 4 experiments \(grid-1 \.\.\. grid-4\) submitted as Slurm array job (\d+)",
+                         submitted.stdout, re.M)
+    assert sweep_id, submitted.stdout
+    sweep_id, job = sweep_id.groups()
+    folder = project / ".sweeps" / sweep_id
+    # Nothing is done when the command returns, and nothing of it runs here: the tasks are Slurm's.
+    assert not [p for p in folder.glob("grid-*.json") if json.loads(p.read_text())["state"] == "done"]
+    names = [f"grid-{n}" for n in range(1, 5)]
+
+    def table() -> dict[str, str]:
+        out = cli("status", sweep_id).stdout
+        return {line.split()[0]: line.split()[1] for line in out.splitlines() if line.startswith("grid-")}
+
+    def task_log(index: int) -> str:
+        return "".join(p.read_text() for p in folder.glob(f"task-{index}-job-*.out"))
+
+    # grid-2's task is cancelled once its experiment trains: it alone fails, the others go on.
+    wait_until(lambda: "dvc exp run" in task_log(1), "grid-2 running its experiment", timeout=300, interval=1,
+               diagnose=lambda: task_log(1))
+    hosts[0].run(["scancel", f"{job}_1"], cwd=project, env=env, timeout=30)
+    wait_until(lambda: set(table().values()) <= {"done", "failed"}, "every experiment finished", timeout=600,
+               interval=3, diagnose=lambda: cli("status", sweep_id).stdout + "".join(task_log(i) for i in range(4)))
+    states = table()
+    assert states == {"grid-1": "done", "grid-2": "failed", "grid-3": "done", "grid-4": "done"}, cli("status").stdout
+
+    again = cli("rerun", sweep_id)
+    assert "grid-2 submitted again as Slurm array job" in again.stdout, again.stdout
+    wait_until(lambda: table()["grid-2"] == "done", "grid-2 run again", timeout=600, interval=3,
+               diagnose=lambda: cli("status", sweep_id).stdout + task_log(1))
+    shown = cli("status", sweep_id).stdout
+    assert all(re.search(rf"^{name}\s+done\s+\d+_\d\s+single=[0-9a-f]{{32}}", shown, re.M) for name in names), shown
+
+    cli("pull", sweep_id)
+    show = subprocess.run([sys.executable, str(ROOT / "scripts/show_experiments.py")],
+                          cwd=project, capture_output=True, text=True, env=subprocess_env(**project_env(project)))
+    assert show.returncode == 0 and all(name in show.stdout for name in names), show.stdout + show.stderr
+    # MLflow groups them by experiment, as it does `dvc exp run`'s here: grid-N/single, finished.
+    finished = {r["name"] for r in server_runs(hosts[0], tracking_server) if r["status"] == "FINISHED"}
+    assert {f"{name}/single" for name in names} <= finished, finished

@@ -11,7 +11,7 @@ from typing import Iterable
 
 from pipeline.config import TrackingConfig
 from pipeline.tracking import helper as tracking_helper
-from pipeline.tracking.facts import dataset_inputs, dvc_experiment_facts, git_facts, run_name
+from pipeline.tracking.facts import dvc_experiment_facts, git_facts, log_datasets, run_name
 from pipeline.tracking.runs import metric_batch, numeric
 from pipeline.tracking.store import open_experiment, store_errors, tracking_uri
 
@@ -38,7 +38,7 @@ def log_to_mode_run(config: TrackingConfig, ids: dict, metrics: dict[str, float]
         for key, value in (tags or {}).items():
             client.set_tag(ids["parent"], key, value)
         if datasets is not None:
-            client.log_inputs(ids["parent"], datasets=dataset_inputs(*datasets))
+            log_datasets(client, ids["parent"], *datasets)
         for path in artifacts:
             client.log_artifact(ids["parent"], str(path), artifact_dir)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -57,6 +59,24 @@ def _file_md5(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+# A unique key broken by a row that another client inserted meanwhile (PostgreSQL, SQLite, MySQL).
+_RACED = re.compile(r"UniqueViolation|UNIQUE constraint failed|Duplicate entry|duplicate key value")
+
+
+def log_datasets(client, run_id: str, data_dir: Path, splits: Iterable[str]) -> None:
+    """The splits a run read, on it. MLflow's SQL store looks a dataset up, then inserts it: two
+    trainings that log the same one at once (a sweep's tasks on one server) break its unique key
+    in the slower one's insert. Tried again, that one finds the dataset and inserts none."""
+    inputs = dataset_inputs(data_dir, splits)
+    for attempt in range(3):
+        try:
+            return client.log_inputs(run_id, datasets=inputs)
+        except Exception as exc:
+            if attempt == 2 or not _RACED.search(str(exc)):
+                raise
+            time.sleep(0.2 * (attempt + 1))
 
 
 def dataset_inputs(data_dir: Path, splits: Iterable[str]) -> list:

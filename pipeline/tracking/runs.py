@@ -16,7 +16,7 @@ from pipeline.config import MODES, TrackingConfig
 from pipeline.errors import PipelineError
 from pipeline.runtime.lifecycle import stop_signals_unwind
 from pipeline.tracking.delivery import outbox_for, stamped
-from pipeline.tracking.facts import dataset_inputs, dvc_experiment_facts, git_facts, log_uncommitted_change, run_name
+from pipeline.tracking.facts import dvc_experiment_facts, git_facts, log_datasets, log_uncommitted_change, run_name
 from pipeline.tracking.store import open_experiment, reason, run_deleted, shown, store_errors, tracking_uri
 
 if TYPE_CHECKING:  # pipeline.parallel imports torch, which compare and send-runs never need
@@ -128,7 +128,7 @@ class ModeRun:
     def log_datasets(self, data_dir: Path, splits: Iterable[str]) -> None:
         """Rank 0: the splits training read, on the parent run (at the start, with the runs)."""
         if self.rank.is_main:
-            self._client.log_inputs(self.parent_id, datasets=dataset_inputs(data_dir, splits))
+            log_datasets(self._client, self.parent_id, data_dir, splits)
 
     def log_rank_artifacts(self, paths: Iterable[Path]) -> None:
         for path in paths:

@@ -347,11 +347,18 @@ EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
 
 def open_experiment(client, name: str, uri: str) -> str:
+    from mlflow.exceptions import MlflowException
+
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
         # With the local SQLite store, artifacts go to ./mlartifacts (a server decides for itself).
         location = (project_root() / DEFAULT_ARTIFACTS).as_uri() if _sqlite_path(uri) else None
-        return client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_KIND)
+        try:
+            return client.create_experiment(name, artifact_location=location, tags=EXPERIMENT_KIND)
+        except MlflowException as exc:  # made meanwhile by another training: a sweep's tasks start together
+            experiment = client.get_experiment_by_name(name) if exc.error_code == "RESOURCE_ALREADY_EXISTS" else None
+            if experiment is None:
+                raise
     if experiment.tags.get("mlflow.experimentKind") is None:  # made before this tag, or by hand
         for key, value in EXPERIMENT_KIND.items():
             client.set_experiment_tag(experiment.experiment_id, key, value)

@@ -1,0 +1,324 @@
+"""`mnist-pipeline sweep`: a grid of `-S` overrides as DVC experiments, each run on the cluster as a
+task of one Slurm job array, and nothing left running where it was submitted.
+
+    mnist-pipeline sweep -S train.lr=0.01,0.02 -S train.epochs=1,2 --name lr-epochs
+    mnist-pipeline sweep status            # queued, running, done or failed; job ids, MLflow runs
+    mnist-pipeline sweep rerun ID [NAME]   # the failed ones (or those named) again, alone
+    mnist-pipeline sweep pull ID           # `dvc exp pull` of the done ones: `make show` lists them
+
+Each task (`sweep task`, in deploy/slurm/run.sbatch on its node) clones the project's git remote
+at the submitted commit into a checkout of its own, runs the experiment's whole `dvc exp run`
+there, every stage on that node, and pushes it with `dvc exp push` to the same remote (and its
+outputs to the DVC remote, if the project has one). Its state goes to `.sweeps/<id>/` in this
+directory, which the nodes share, as the Slurm stages' outputs do.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import yaml
+
+from pipeline import sweep as grid
+from pipeline.atomic import read_json, write_json
+from pipeline.config import config_from_dict, read_config
+from pipeline.errors import PipelineError
+from stages import slurm
+
+GIT_TIMEOUT_S = 120
+
+
+def record_path(sweep_id: str) -> Path:
+    return grid.SWEEPS_DIR / sweep_id / "sweep.json"
+
+
+def read_record(sweep_id: str | None) -> dict:
+    """The sweep `sweep_id`, or the newest one submitted here."""
+    if sweep_id is None:
+        found = sorted(grid.SWEEPS_DIR.glob("*/sweep.json"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise PipelineError(f"no sweep was submitted from this directory ({grid.SWEEPS_DIR}/ is empty): "
+                                "`mnist-pipeline sweep -S KEY=V1,V2` submits one")
+        return read_json(found[-1], "submit the sweep again")
+    path = record_path(sweep_id)
+    if not path.is_file():
+        known = sorted(p.parent.name for p in grid.SWEEPS_DIR.glob("*/sweep.json"))
+        raise PipelineError(f"no sweep {sweep_id!r} in {grid.SWEEPS_DIR}/ (known: {', '.join(known) or 'none'})")
+    return read_json(path, "submit the sweep again")
+
+
+def git(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
+
+
+def remote_url(name: str) -> str:
+    """The git remote the nodes clone, as they must name it: a local path made absolute."""
+    found = git("remote", "get-url", name)
+    if found.returncode != 0:
+        raise PipelineError(f"sweep: no git remote {name!r} here; the nodes clone the project from one and the "
+                            f"experiments are pushed back to it: `git remote add {name} URL` (or --remote NAME)")
+    url = found.stdout.strip()
+    if "://" not in url and not (":" in url.split("/")[0] and not url.startswith("/")):  # a path, not host:path
+        url = str(Path(url).resolve())
+    return url
+
+
+def check_tracking(configs) -> None:
+    """Each experiment runs in a checkout on a node, deleted after its push: a store that is a
+    file in that checkout would be deleted with it."""
+    from pipeline.tracking.store import check_store, shown, tracking_uri
+
+    if not any(config.tracking.enabled for config in configs):
+        return
+    uri = tracking_uri()
+    if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
+        raise PipelineError(
+            f"sweep: the tracking store is {shown(uri)}, a file, but each experiment runs in a checkout of its own on "
+            "a node: set MLFLOW_TRACKING_URI to a tracking server the nodes reach, or tracking.enabled: false")
+    check_store(uri)
+
+
+def check_one_node(configs) -> None:
+    for config in configs:
+        if config.train.nodes != 1:
+            raise PipelineError(f"sweep: train.nodes = {config.train.nodes}, but each experiment of a sweep runs in "
+                                "one job on one node; set train.nodes: 1 for the sweep")
+
+
+def resources(configs) -> list[str]:
+    """What each task asks Slurm for: one node, the devices and CPUs of the largest experiment;
+    checked as every Slurm stage checks its job (sbatch here, the controller answers)."""
+    config = max(configs, key=lambda c: c.train.nproc)
+    job = slurm.Job(slurm.ONE_PROCESS_SCRIPT, 1, config.train.nproc or None)
+    slurm.check_ready(config, job)
+    gpus = slurm.gpus_asked(config, job)
+    return ["--nodes", "1", *slurm.gpu_request(gpus), *slurm.cpu_request(config, job, gpus),
+            *slurm.memory_request(config, job, gpus)]
+
+
+def submit_tasks(record: dict, indices: list[int], request: list[str]) -> str:
+    """One array job for these experiments of the sweep; its id. Nothing waits for it."""
+    folder = record_path(record["id"]).parent
+    array = ",".join(str(i) for i in indices)
+    sbatch = ["sbatch", "--parsable", f"--array={array}", "--job-name", f"mnist-sweep-{record['id']}",
+              "--output", str(folder / "task-%a-job-%A.out"), *request, str(slurm.ONE_PROCESS_SCRIPT),
+              "sweep", "task", str(record_path(record["id"]))]
+    done = subprocess.run(sbatch, capture_output=True, text=True, timeout=slurm.SLURM_PING_TIMEOUT_S * 2)
+    if done.returncode != 0:
+        raise PipelineError(f"sweep: sbatch refused the array job ({(done.stderr or done.stdout).strip()[:300]})")
+    job = done.stdout.strip().split(";")[0]
+    for index in indices:
+        record["experiments"][index]["job"] = f"{job}_{index}"
+    write_json(record_path(record["id"]), record)
+    return job
+
+
+@click.group(invoke_without_command=True)
+@click.option("-S", "--set", "options", multiple=True, metavar="KEY=V1,V2",
+              help="A param and the values to sweep it over; several -S make a grid.")
+@click.option("--name", default=None, help="The experiments' names: NAME-1, NAME-2, ... (default: sweep-ID).")
+@click.option("--remote", default="origin", show_default=True,
+              help="The git remote the nodes clone the project from, and push the experiments to.")
+@click.pass_context
+def sweep(ctx: click.Context, options: tuple[str, ...], name: str | None, remote: str) -> None:
+    """Run a grid of -S overrides as DVC experiments on the cluster, one Slurm array task each."""
+    if ctx.invoked_subcommand is not None:
+        if options or name:
+            raise click.UsageError("-S and --name come without a sub-command: `mnist-pipeline sweep -S KEY=V1,V2`")
+        return
+    _, text = read_config("params.yaml")
+    raw = yaml.safe_load(text)
+    sweep_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    found = grid.experiments(raw, list(options), name or f"sweep-{sweep_id}")
+    configs = [config_from_dict(grid.apply(raw, e.overrides, "params.yaml")) for e in found]
+    check_one_node(configs)
+    check_tracking(configs)
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.split("\n")[0].strip()
+    if dirty:
+        raise PipelineError(f"sweep: uncommitted changes ({dirty} ...); the nodes run the committed code: commit "
+                            "them first")
+    commit = git("rev-parse", "HEAD").stdout.strip()
+    url = remote_url(remote)
+    reachable = git("ls-remote", "-q", "--heads", remote)
+    if reachable.returncode != 0:
+        raise PipelineError(f"sweep: git remote {remote!r} ({url}) cannot be reached from here "
+                            f"({' '.join(reachable.stderr.split())[:300]}); the nodes clone the project from it: fix "
+                            "it, or name another with --remote")
+    request = resources(configs)
+    # The nodes fetch the commit by this ref: it reaches the remote even where no branch holds it.
+    pushed = git("push", "-q", remote, f"HEAD:refs/sweeps/{sweep_id}")
+    if pushed.returncode != 0:
+        raise PipelineError(f"sweep: git push {remote} HEAD:refs/sweeps/{sweep_id} failed "
+                            f"({' '.join(pushed.stderr.split())[:300]}); the nodes fetch the commit from there")
+    record = {"id": sweep_id, "commit": commit, "remote": remote, "url": url, "submitted": time.time(),
+              "experiments": [{**e.as_dict(), "job": None} for e in found]}
+    write_json(record_path(sweep_id), record)
+    job = submit_tasks(record, list(range(len(found))), request)
+    click.echo(f"sweep {sweep_id}: {len(found)} experiments ({found[0].name} ... {found[-1].name}) submitted as "
+               f"Slurm array job {job}; nothing here waits for them")
+    click.echo(f"  `mnist-pipeline sweep status {sweep_id}`; once done, `mnist-pipeline sweep pull {sweep_id}`")
+
+
+def queue_states(record: dict) -> dict[str, str]:
+    """Slurm's state of each of the sweep's tasks still in its queue: {"123_0": "RUNNING"}."""
+    try:
+        listed = subprocess.run(["squeue", "-h", "-r", "-n", f"mnist-sweep-{record['id']}", "-o", "%i %T"],
+                                capture_output=True, text=True, timeout=slurm.SLURM_PING_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise PipelineError(f"sweep: cannot read Slurm's queue ({exc}); check SLURM_CONF") from None
+    if listed.returncode != 0:
+        raise PipelineError(f"sweep: squeue failed ({listed.stderr.strip()[:300]}); check SLURM_CONF")
+    return dict(line.split()[:2] for line in listed.stdout.splitlines() if len(line.split()) >= 2)
+
+
+def states(record: dict) -> list[tuple[dict, str, dict | None]]:
+    """Each experiment, its state, and what its job wrote."""
+    queue = queue_states(record)
+    folder = record_path(record["id"]).parent
+    found = []
+    for experiment in record["experiments"]:
+        path = folder / f"{experiment['name']}.json"
+        written = read_json(path, "run the experiment again (`sweep rerun`)") if path.is_file() else None
+        if written is not None and written.get("job") != experiment["job"]:
+            written = None  # an earlier job's: the rerun's has not started
+        found.append((experiment, grid.state(written, queue.get(experiment["job"] or "")), written))
+    return found
+
+
+@sweep.command()
+@click.argument("sweep_id", required=False)
+def status(sweep_id: str | None) -> None:
+    """Each experiment's state (queued, running, done, failed), its job and its MLflow runs."""
+    record = read_record(sweep_id)
+    rows = []
+    for experiment, state, written in states(record):
+        runs = " ".join(f"{mode}={run}" for mode, run in (written or {}).get("runs", {}).items()) or "-"
+        why = f" ({written['why']})" if state == "failed" and written and written.get("why") else ""
+        if state == "failed" and written is None:
+            why = " (its job ended without a word: killed, or its node failed)"
+        rows.append((experiment["name"], state + why, experiment["job"] or "-", runs, " ".join(experiment["overrides"])))
+    click.echo(f"sweep {record['id']} (commit {record['commit'][:12]}, remote {record['remote']})")
+    widths = [max(len(row[i]) for row in rows + [("experiment", "state", "job", "MLflow runs", "")]) for i in range(4)]
+    for row in [("experiment", "state", "job", "MLflow runs", "-S")] + rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4])
+
+
+@sweep.command()
+@click.argument("sweep_id")
+@click.argument("names", nargs=-1)
+def rerun(sweep_id: str, names: tuple[str, ...]) -> None:
+    """Submit the sweep's failed experiments again (or those NAMES), each alone as before."""
+    record = read_record(sweep_id)
+    found = {experiment["name"]: (index, state) for index, (experiment, state, _) in enumerate(states(record))}
+    for name in names:
+        if name not in found:
+            raise PipelineError(f"sweep {sweep_id}: no experiment {name!r} (it has {', '.join(found)})")
+        if found[name][1] != "failed":
+            raise PipelineError(f"sweep {sweep_id}: {name} is {found[name][1]}; only a failed experiment runs again")
+    chosen = list(names) or [name for name, (_, state) in found.items() if state == "failed"]
+    if not chosen:
+        raise PipelineError(f"sweep {sweep_id}: no experiment failed; nothing to run again")
+    _, text = read_config("params.yaml")
+    raw = yaml.safe_load(text)
+    configs = [config_from_dict(grid.apply(raw, tuple(e["overrides"]), "params.yaml")) for e in record["experiments"]]
+    job = submit_tasks(record, [found[name][0] for name in chosen], resources(configs))
+    click.echo(f"sweep {sweep_id}: {', '.join(chosen)} submitted again as Slurm array job {job}")
+
+
+@sweep.command()
+@click.argument("sweep_id", required=False)
+def pull(sweep_id: str | None) -> None:
+    """`dvc exp pull` the sweep's done experiments from its git remote (and their outputs from the
+    DVC remote): then `make show` lists them beside the workspace's."""
+    record = read_record(sweep_id)
+    done = [experiment["name"] for experiment, state, _ in states(record) if state == "done"]
+    if not done:
+        raise PipelineError(f"sweep {record['id']}: no experiment is done yet (`mnist-pipeline sweep status`)")
+    pulled = subprocess.run(["dvc", "exp", "pull", *([] if dvc_remote() else ["--no-cache"]), record["remote"], *done],
+                            capture_output=True, text=True)
+    if pulled.returncode != 0:
+        raise PipelineError(f"sweep: dvc exp pull failed ({' '.join((pulled.stderr or pulled.stdout).split())[:300]})")
+    click.echo(f"sweep {record['id']}: pulled {', '.join(done)}; `make show` lists them")
+
+
+def dvc_remote(cwd: Path | None = None, env: dict | None = None) -> str | None:
+    """The project's default DVC remote, if it has one: where `dvc exp push` and `pull` take the
+    experiments' outputs (without one they move the git part alone)."""
+    named = subprocess.run(["dvc", "remote", "default"], cwd=cwd, env=env, capture_output=True, text=True)
+    return named.stdout.strip() if named.returncode == 0 and named.stdout.strip() else None
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _stop(signum, frame) -> None:
+    raise _Stopped(signal.Signals(signum).name)
+
+
+@sweep.command(hidden=True)
+@click.argument("record_file", type=click.Path(path_type=Path))
+def task(record_file: Path) -> None:
+    """One experiment of a sweep, as its Slurm array task (SLURM_ARRAY_TASK_ID picks it)."""
+    index = int(os.environ.get("SLURM_ARRAY_TASK_ID", "-1"))
+    record = read_json(record_file, "submit the sweep again")
+    if not 0 <= index < len(record["experiments"]):
+        raise PipelineError(f"sweep task: SLURM_ARRAY_TASK_ID={index} names no experiment of {record_file}")
+    experiment = record["experiments"][index]
+    name = experiment["name"]
+    job = f"{os.environ.get('SLURM_ARRAY_JOB_ID', '?')}_{index}"
+    state_file = record_file.parent / f"{name}.json"
+    started = {"state": "running", "job": job, "host": socket.gethostname(), "started": time.time()}
+    write_json(state_file, started)
+    scratch = Path(os.environ.get("SWEEP_SCRATCH") or os.environ.get("TMPDIR") or "/tmp")
+    checkout = scratch / f"mnist-sweep-{record['id']}-{name}"
+    # The checkout's own code, not what an editable install or PYTHONPATH points at (the submitting
+    # workspace, which may have moved on since).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))}
+    # run.sbatch turns the warm server off for its one command; the experiment's stages share one.
+    env.pop("MNIST_PIPELINE_WARM", None)
+    signal.signal(signal.SIGTERM, _stop)  # scancel, or the job's time limit
+    step, child = "clone", None
+    try:
+        subprocess.run(["rm", "-rf", str(checkout)], check=True)
+        outputs_to = None
+        steps = [("clone", ["git", "clone", "-q", "--no-checkout", record["url"], str(checkout)], scratch),
+                 ("fetch", ["git", "fetch", "-q", "origin", f"refs/sweeps/{record['id']}"], checkout),
+                 ("checkout", ["git", "checkout", "-q", "--detach", record["commit"]], checkout),
+                 ("dvc exp run", ["dvc", "exp", "run", "-n", name,
+                                  *[arg for override in experiment["overrides"] for arg in ("-S", override)]], checkout),
+                 ("dvc exp push", None, checkout)]
+        for step, argv, cwd in steps:
+            if step == "dvc exp push":
+                outputs_to = dvc_remote(checkout, env)
+                argv = ["dvc", "exp", "push", *([] if outputs_to else ["--no-cache"]), "origin", name]
+            click.echo(f"sweep {record['id']} {name}: {step}", err=True)
+            child = subprocess.Popen(argv, cwd=cwd, env=env, start_new_session=True)
+            if child.wait() != 0:
+                raise PipelineError(f"{step} exited with {child.returncode}")
+        runs = {ids.parent.name: read_json(ids, "").get("parent")
+                for ids in sorted((checkout / "models").glob("*/mlflow_run.json"))}
+        write_json(state_file, {**started, "state": "done", "finished": time.time(),
+                                "runs": {mode: run for mode, run in runs.items() if run}, "dvc_remote": outputs_to})
+        subprocess.run(["rm", "-rf", str(checkout)])
+        click.echo(f"sweep {record['id']} {name}: done, pushed to {record['remote']}", err=True)
+    except (PipelineError, _Stopped, OSError, subprocess.SubprocessError) as exc:
+        if child is not None and child.poll() is None:
+            os.killpg(child.pid, signal.SIGTERM)
+            try:
+                child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+        why = f"stopped by {exc}" if isinstance(exc, _Stopped) else f"{step}: {exc}"
+        write_json(state_file, {**started, "state": "failed", "finished": time.time(), "why": why,
+                                "checkout": str(checkout)})
+        click.echo(f"sweep {record['id']} {name}: failed ({why}); its checkout is kept in {checkout}", err=True)
+        sys.exit(1)
