@@ -14,7 +14,7 @@ from pipeline.atomic import write_json
 from pipeline.config import Config, WorkloadConfig, flatten, load_config
 from pipeline.workloads import load_workload, workload_of
 from pipeline.tracking.runs import start_mode_run, until_done
-from pipeline.tracking.store import check_store, check_worker_store, tracking_uri
+from pipeline.tracking.store import check_node_artifacts, check_store, check_worker_store, tracking_uri
 from stages.common import echo_detail, params_option, verbose
 from stages import slurm
 from stages.workers import launch_workers, run_facts
@@ -66,6 +66,7 @@ def run_worker(config: Config) -> None:
     backend = parallel.backend_for(device)
     if config.tracking.enabled:
         check_worker_store(rank)
+        check_node_artifacts(rank, config.tracking)
     with parallel.process_group(rank, device):
         params = {k: v for k, v in flatten(config).items() if k.startswith("commcheck.")}
         runs = start_mode_run(config.tracking, "commcheck", rank,

@@ -36,7 +36,7 @@ from pipeline.prepared import STATS_FILE, load_stats
 from torch.utils.data import default_collate
 from pipeline.tracking.delivery import OUTBOX_DIR
 from pipeline.tracking.runs import fail_unfinished, missing_runs, start_mode_run, until_done
-from pipeline.tracking.store import check_worker_store, preflight, shown, tracking_uri
+from pipeline.tracking.store import check_node_artifacts, check_worker_store, preflight, shown, tracking_uri
 from pipeline.tracking import outbox
 from stages.common import model_dir, params_option, read_run_ids, run_ids_file
 from stages import slurm
@@ -201,6 +201,7 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
         parallel.limit_cpu_threads(rank)
     if config.tracking.enabled:
         check_worker_store(rank)
+        check_node_artifacts(rank, config.tracking)
 
     with parallel.process_group(rank, device) if parallel.distributed(mode) else nullcontext():
         workload = workloads.load_workload(config.workload)  # checked at the start (check_can_start)

@@ -197,6 +197,11 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     env.pop("MLFLOW_TRACKING_URI", None)
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["DVC_NO_ANALYTICS"] = "1"
+    # S3 credentials come from what a test passes (tests/s3.py), never from this machine's account,
+    # its profile files or an instance's metadata service.
+    for key in [key for key in env if key.startswith("AWS_")]:
+        del env[key]
+    env["AWS_EC2_METADATA_DISABLED"] = "true"
     env.update(extra)
     return env
 

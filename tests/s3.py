@@ -41,7 +41,8 @@ class Relay:
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
 
     def off(self) -> None:
-        listener, self._listener = self._listener, None
+        with self._lock:
+            listener, self._listener = self._listener, None
         if listener is not None:
             listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked on it, which holds it open
             listener.close()
@@ -60,8 +61,16 @@ class Relay:
                 client, _ = listener.accept()
             except OSError:  # closed by off()
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:  # the server is gone: so is this connection
+                client.close()
+                continue
             with self._lock:
+                if self._listener is not listener:  # switched off meanwhile: this one goes too
+                    client.close()
+                    upstream.close()
+                    continue
                 self._open |= {client, upstream}
             for source, sink in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()

@@ -211,8 +211,9 @@ def test_the_checker_holds_a_line_to_this_trainings_runs_files_and_registry_name
 
 def test_refusals_and_outages_as_an_s3_bucket_answers_them():
     """What MLflow's S3 uploads raise (boto3's S3UploadFailedError, raised while handling botocore's
-    ClientError, which keeps the bucket's HTTP status in a dict): a bucket that says no is a
-    refusal, one that is busy or not there is an outage."""
+    ClientError, which keeps the bucket's HTTP status in a dict): a bucket that says no (no right,
+    no such bucket) is a refusal; one that is busy, slow or not answering is an outage, whatever
+    status its busy answer has."""
     from boto3.exceptions import S3UploadFailedError
     from botocore.exceptions import ClientError, EndpointConnectionError
 
@@ -232,4 +233,6 @@ def test_refusals_and_outages_as_an_s3_bucket_answers_them():
     assert refused(upload_failed(404, "NoSuchBucket"))
     assert not refused(upload_failed(503, "SlowDown")) and not refused(upload_failed(500, "InternalError"))
     assert not refused(EndpointConnectionError(endpoint_url="http://127.0.0.1:9/bucket/model.pt"))
+    assert not refused(upload_failed(400, "RequestTimeout")) and not refused(upload_failed(409, "OperationAborted"))
+    assert refused(upload_failed(400, "InvalidArgument"))
     assert http_status(RuntimeError("403")) is None

@@ -138,14 +138,19 @@ def test_ranks_that_write_the_bucket_keep_what_an_outage_stops_and_send_it_when_
         assert not leaks(secret, [output, *params_and_tags(direct)], [project], set()), secret
 
 
-@pytest.mark.parametrize("case", ["no credentials", "no bucket"])
+@pytest.mark.parametrize("case", ["no credentials", "half a credential", "no bucket", "no scheme"])
 def test_a_bucket_the_ranks_cannot_write_is_refused_in_one_line_before_anything_changes(
         s3, direct, tmp_path, mnist_dir, case):
     project = project_with(tmp_path, mnist_dir, "proj")
     env = dict(s3.env)
-    if case == "no credentials":
-        del env["AWS_ACCESS_KEY_ID"], env["AWS_SECRET_ACCESS_KEY"]
-        says = "has no S3 credentials; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+    if case in ("no credentials", "half a credential"):
+        del env["AWS_SECRET_ACCESS_KEY"]
+        if case == "no credentials":
+            del env["AWS_ACCESS_KEY_ID"]
+        says = "has no usable S3 credentials ("
+    elif case == "no scheme":
+        env["MLFLOW_S3_ENDPOINT_URL"] = s3.endpoint.removeprefix("http://")
+        says = f"MLFLOW_S3_ENDPOINT_URL={env['MLFLOW_S3_ENDPOINT_URL']} is not usable"
     else:  # an experiment made with a location in a bucket that is not there
         experiment = f"gone-{tmp_path.name}"
         MlflowClient(direct).create_experiment(experiment, artifact_location=f"s3://{BUCKET}-gone/runs")
@@ -158,3 +163,14 @@ def test_a_bucket_the_ranks_cannot_write_is_refused_in_one_line_before_anything_
     assert refused.returncode != 0 and len(lines) == 1 and says in lines[0], refused.stderr
     assert "Traceback" not in refused.stderr
     assert [p.name for p in (project / "models").rglob("*") if p.is_file()] == [".train.lock"]  # the stage's lock
+
+
+def test_each_nodes_first_worker_checks_the_bucket_where_no_train_command_did(s3, direct, tmp_path, mnist_dir):
+    """torchrun started by hand (as the TrainJob and a Slurm job start it): no `train` command ran
+    the check before the workers, so each node's first one makes it, with that node's credentials."""
+    project = project_with(tmp_path, mnist_dir, "proj", train={"nproc": 1})
+    env = {key: value for key, value in s3.env.items() if key != "AWS_SECRET_ACCESS_KEY"}
+    refused = run(["torchrun", "--standalone", "--nproc-per-node", "1", "-m", "stages", "train", "--mode", "ddp"],
+                  project, check=False, **project_env(project, MLFLOW_TRACKING_URI=direct, HOME=str(tmp_path), **env))
+    assert refused.returncode != 0 and "has no usable S3 credentials (" in refused.stderr, refused.stderr[-3000:]
+    assert not (project / "models/ddp/model.pt").exists()

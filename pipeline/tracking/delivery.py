@@ -188,7 +188,7 @@ def send_kept(folder: Path, uri: str | None = None, registered: str | None = Non
             sent += replay(path, deliver, op_checker(folder.parent, run_ids, registered, workload))
         except DeliveryFailed as failed:
             exc = failed.cause
-            if http_status(exc) == 404:
+            if http_status(exc) == 404 and type(exc).__module__.split(".")[0] not in ("boto3", "botocore", "s3transfer"):
                 raise PipelineError(
                     f"{failed.where}: its run is not in the tracking store {shown(uri)} (these calls were made for "
                     f"{made_for}); set MLFLOW_TRACKING_URI to that store and run send-runs again, or drop what is "

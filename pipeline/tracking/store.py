@@ -99,6 +99,20 @@ REFUSALS = ("Permission denied", "Read-only file system", "readonly database", "
 REFUSING_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR, errno.EISDIR}
 
 
+# What a bucket answers when it is busy or the request was slow, whatever the status: asked again
+# later, it answers (S3's error codes; 400 RequestTimeout, 409 OperationAborted, 403 RequestTimeTooSkewed).
+BUCKET_OUTAGES = {"RequestTimeout", "OperationAborted", "SlowDown", "InternalError", "ServiceUnavailable",
+                  "RequestTimeTooSkewed"}
+
+
+def _bucket_error_code(exc: BaseException) -> str | None:
+    for link in (exc, exc.__cause__, exc.__context__):
+        response = getattr(link, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code"):
+            return str(response["Error"]["Code"])
+    return None
+
+
 def refused(exc: BaseException) -> bool:
     """Whether the store said no, as opposed to being away: waiting on a refusal would never end
     it. No: a 4xx answer (no such run, no permission), a read-only, full or forbidden store
@@ -107,6 +121,8 @@ def refused(exc: BaseException) -> bool:
     timeout, a 5xx or 408/429 answer, and errors of libraries this cannot know (cloud SDKs)."""
     if any(reason in str(exc) for reason in REFUSALS):
         return True
+    if _bucket_status(exc) is not None and _bucket_error_code(exc) in BUCKET_OUTAGES:
+        return False
     status = http_status(exc)
     if status is not None:
         return status < 500 and status not in (408, 429)
@@ -184,9 +200,10 @@ def store_errors(uri: str, doing: str = "opening it") -> Iterator[None]:
 
 
 def from_tracking(exc: BaseException) -> bool:
-    """Raised by MLflow, SQLAlchemy, SQLite or the HTTP client under MLflow."""
+    """Raised by MLflow, SQLAlchemy, SQLite, the HTTP client under MLflow, or its S3 client."""
     module = type(exc).__module__.split(".")[0]
-    return module in ("mlflow", "sqlalchemy", "sqlite3", "requests", "urllib3", "alembic")
+    return module in ("mlflow", "sqlalchemy", "sqlite3", "requests", "urllib3", "alembic",
+                      "boto3", "botocore", "s3transfer")  # the last three: MLflow's S3 artifacts
 
 
 def sqlite_uri(path: Path) -> str:
@@ -304,41 +321,77 @@ def check_artifact_location(location: str) -> None:
     """Where a server hands its artifacts to the clients to write themselves (`mlflow server
     --no-serve-artifacts --default-artifact-root s3://BUCKET/PATH`), every rank writes to the bucket
     with its own credentials. A missing or refused credential, an endpoint that does not answer or
-    a bucket that is not there is found here, before training, not as an outage once it is over.
-    (A server that serves its artifacts, mlflow-artifacts:/, writes them with its own.)"""
+    a bucket that is not there is found here, before training, not as an outage once it is over:
+    a small object is written where the runs' files go, and removed. (A server that serves its
+    artifacts, mlflow-artifacts:/, writes them with its own.)"""
     if not location.startswith("s3://"):
         return
     import boto3
     import botocore.exceptions
-    from botocore.config import Config
 
-    bucket = urllib.parse.urlparse(location).netloc
-    # MLflow's own setting first; without it, boto3 reads AWS_ENDPOINT_URL(_S3) or goes to AWS.
-    endpoint = os.environ.get("MLFLOW_S3_ENDPOINT_URL") or None
+    parsed = urllib.parse.urlparse(location)
+    bucket, key = parsed.netloc, f"{parsed.path.strip('/')}/.mnist-pipeline-write-check".lstrip("/")
     where = f"the experiment's artifact location {location}"
-    at = shown(endpoint) if endpoint else "AWS (set MLFLOW_S3_ENDPOINT_URL for an S3-compatible server)"
-    client = boto3.client("s3", endpoint_url=endpoint, config=Config(
-        connect_timeout=HEALTH_TIMEOUT_S, read_timeout=HEALTH_TIMEOUT_S, retries={"max_attempts": 2}))
+    endpoint = os.environ.get("MLFLOW_S3_ENDPOINT_URL") or None
     try:
-        client.head_bucket(Bucket=bucket)
-    except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError):
+        client = boto3.client("s3", **_as_mlflow_does(endpoint))
+        at = shown(client.meta.endpoint_url)
+        client.put_object(Bucket=bucket, Key=key, Body=b"")
+    except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError,
+            botocore.exceptions.ProfileNotFound) as exc:
         raise PipelineError(
-            f"{where}: every rank writes there itself, and this one has no S3 credentials; set AWS_ACCESS_KEY_ID "
-            "and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE and its ~/.aws/credentials) where every rank runs") from None
+            f"{where}: every rank writes there itself, and this one has no usable S3 credentials ({reason(exc)}); "
+            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE and its ~/.aws/credentials) where every "
+            "rank runs") from None
     except botocore.exceptions.ClientError as exc:
-        status = _bucket_status(exc)
-        if status == 404:
+        status, code = _bucket_status(exc), _bucket_error_code(exc)
+        if code == "NoSuchBucket":
             raise PipelineError(f"{where}: bucket {bucket!r} does not exist at {at}; create it, or start the "
                                 "tracking server with an existing one") from None
-        if status in (301, 400, 401, 403):
+        if status in (401, 403):
             raise PipelineError(
-                f"{where}: {at} refuses this client's credentials for bucket {bucket!r} (HTTP {status}); set "
-                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY to a key that may write it (and AWS_DEFAULT_REGION "
-                "to the bucket's region)") from None
+                f"{where}: {at} does not let this client write there ({code}, HTTP {status}); set AWS_ACCESS_KEY_ID "
+                "and AWS_SECRET_ACCESS_KEY to a key that may write under that prefix") from None
         raise PipelineError(f"{where}: {at} answered {reason(exc)}; fix the bucket or the server") from None
-    except botocore.exceptions.BotoCoreError as exc:  # no connection, a timeout, a malformed endpoint
-        raise PipelineError(f"{where}: cannot reach {at} ({reason(exc)}); start it, or fix "
-                            "MLFLOW_S3_ENDPOINT_URL") from None
+    except ValueError as exc:  # an endpoint that is no URL (no scheme)
+        raise PipelineError(f"{where}: MLFLOW_S3_ENDPOINT_URL={shown(endpoint or '')} is not usable ({reason(exc)}); "
+                            "set it to the server's URL, e.g. http://minio.internal:9000") from None
+    except botocore.exceptions.BotoCoreError as exc:  # no connection, a timeout, a TLS failure
+        raise PipelineError(f"{where}: cannot reach {shown(endpoint or 'S3')} ({reason(exc)}); start it, or fix "
+                            "MLFLOW_S3_ENDPOINT_URL (and MLFLOW_S3_IGNORE_TLS for a self-signed certificate)") from None
+    try:
+        client.delete_object(Bucket=bucket, Key=key)
+    except botocore.exceptions.ClientError:
+        pass  # a key that may write but not delete: the check's empty object stays, and training may go on
+
+
+def _as_mlflow_does(endpoint: str | None) -> dict:
+    """boto3.client's settings as MLflow's S3 artifact repository makes them (its TLS, signature
+    and addressing settings), with short timeouts: a check waits seconds, not minutes."""
+    from botocore.config import Config
+
+    ignore_tls = os.environ.get("MLFLOW_S3_IGNORE_TLS", "").lower() in ("true", "1")
+    style = os.environ.get("MLFLOW_BOTO_CLIENT_ADDRESSING_STYLE") or "auto"
+    signature = os.environ.get("MLFLOW_EXPERIMENTAL_S3_SIGNATURE_VERSION", "s3v4")
+    return {"endpoint_url": endpoint, "verify": False if ignore_tls else None,
+            "config": Config(signature_version=signature, s3={"addressing_style": style},
+                             connect_timeout=HEALTH_TIMEOUT_S, read_timeout=HEALTH_TIMEOUT_S,
+                             retries={"max_attempts": 2})}
+
+
+def check_node_artifacts(rank: Rank, config: TrackingConfig) -> None:
+    """preflight's artifact check, in each node's first worker: a training started where no
+    `train` command ran it first (torchrun by hand, the TrainJob, a Slurm job) writes the bucket
+    with each node's own credentials. An experiment not made yet is checked by whoever makes it."""
+    if rank.local_rank != 0:
+        return
+    from mlflow import MlflowClient
+
+    uri = tracking_uri()
+    with store_errors(uri, f"opening experiment {config.experiment!r}"):
+        experiment = MlflowClient(uri).get_experiment_by_name(config.experiment)
+    if experiment is not None:
+        check_artifact_location(experiment.artifact_location)
 
 
 # MLflow 3's UI opens an experiment on its GenAI pages (traces, token usage) unless the experiment
