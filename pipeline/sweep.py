@@ -25,6 +25,7 @@ SWEEPS_DIR = Path(".sweeps")  # in the project, which the nodes share: git-ignor
 STATES = ("queued", "running", "done", "failed")
 # A DVC experiment's name is a git ref's last part: letters, digits, and - _ . inside.
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MAX_NAME = 100
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,10 @@ def apply(raw: dict, overrides: tuple[str, ...], source: str) -> dict:
 
 def experiments(raw: dict, options: list[str], prefix: str, source: str = "params.yaml") -> list[Experiment]:
     """The sweep's experiments, each checked against params.yaml, named PREFIX-1, PREFIX-2, ..."""
-    if not _NAME.fullmatch(prefix):
-        raise ConfigError(f"sweep: --name {prefix!r}: use letters, digits and - _ . (a DVC experiment's name)")
+    # A git ref's last part (DVC's experiment refs): no "..", no ".lock" end, short enough for a file name.
+    if not _NAME.fullmatch(prefix) or ".." in prefix or prefix.endswith((".", ".lock")) or len(prefix) > MAX_NAME:
+        raise ConfigError(f"sweep: --name {prefix!r}: use up to {MAX_NAME} letters, digits and - _ . (no '..'), "
+                          "as a DVC experiment's name")
     found = []
     for number, overrides in enumerate(grid(options), start=1):
         apply(raw, overrides, source)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,7 +44,7 @@ def record_path(sweep_id: str) -> Path:
 def read_record(sweep_id: str | None) -> dict:
     """The sweep `sweep_id`, or the newest one submitted here."""
     if sweep_id is None:
-        found = sorted(grid.SWEEPS_DIR.glob("*/sweep.json"), key=lambda p: p.stat().st_mtime)
+        found = sorted(grid.SWEEPS_DIR.glob("*/sweep.json"), key=lambda p: p.parent.name)  # ids start with the time
         if not found:
             raise PipelineError(f"no sweep was submitted from this directory ({grid.SWEEPS_DIR}/ is empty): "
                                 "`mnist-pipeline sweep -S KEY=V1,V2` submits one")
@@ -94,26 +95,39 @@ def check_one_node(configs) -> None:
 
 
 def resources(configs) -> list[str]:
-    """What each task asks Slurm for: one node, the devices and CPUs of the largest experiment;
-    checked as every Slurm stage checks its job (sbatch here, the controller answers)."""
-    config = max(configs, key=lambda c: c.train.nproc)
-    job = slurm.Job(slurm.ONE_PROCESS_SCRIPT, 1, config.train.nproc or None)
-    slurm.check_ready(config, job)
-    gpus = slurm.gpus_asked(config, job)
-    return ["--nodes", "1", *slurm.gpu_request(gpus), *slurm.cpu_request(config, job, gpus),
-            *slurm.memory_request(config, job, gpus)]
+    """What each task asks Slurm for: one node, and the most GPUs, CPUs and memory any experiment
+    needs (they may sweep train.nproc, cpus_per_rank or mem_per_rank_gb); checked as every Slurm
+    stage checks its job (sbatch here, the controller answers)."""
+    gpus, cpus, megabytes = None, 0, 0
+    for config in configs:
+        job = slurm.Job(slurm.ONE_PROCESS_SCRIPT, 1, config.train.nproc or None)
+        slurm.check_ready(config, job)
+        asked = slurm.gpus_asked(config, job)
+        gpus = asked if gpus is None else max(gpus, asked or 0)
+        cpus = max(cpus, int(slurm.cpu_request(config, job, asked)[1]))
+        megabytes = max(megabytes, int(slurm.memory_request(config, job, asked)[1].removesuffix("M")))
+    return ["--nodes", "1", *slurm.gpu_request(gpus), "--cpus-per-task", str(cpus), "--mem", f"{megabytes}M"]
 
 
-def submit_tasks(record: dict, indices: list[int], request: list[str]) -> str:
+def submit_tasks(record: dict, indices: list[int]) -> str:
     """One array job for these experiments of the sweep; its id. Nothing waits for it."""
     folder = record_path(record["id"]).parent
     array = ",".join(str(i) for i in indices)
-    sbatch = ["sbatch", "--parsable", f"--array={array}", "--job-name", f"mnist-sweep-{record['id']}",
-              "--output", str(folder / "task-%a-job-%A.out"), *request, str(slurm.ONE_PROCESS_SCRIPT),
+    # --no-requeue: a task stopped by Slurm stays failed, for `sweep rerun`, rather than coming back
+    # under the same job id beside the state it wrote.
+    sbatch = ["sbatch", "--parsable", "--no-requeue", f"--array={array}", "--job-name", f"mnist-sweep-{record['id']}",
+              "--output", str(folder / "task-%a-job-%A.out"), *record["request"], str(slurm.ONE_PROCESS_SCRIPT),
               "sweep", "task", str(record_path(record["id"]))]
-    done = subprocess.run(sbatch, capture_output=True, text=True, timeout=slurm.SLURM_PING_TIMEOUT_S * 2)
+    try:
+        done = subprocess.run(sbatch, capture_output=True, text=True, timeout=slurm.SLURM_PING_TIMEOUT_S * 2)
+    except BaseException as exc:  # no answer in time, or Ctrl-C: a job it may have queued must go too
+        slurm.cancel(f"mnist-sweep-{record['id']}")
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise PipelineError(f"sweep: sbatch did not answer within {exc.timeout:.0f} s; check Slurm's "
+                                "controller (scontrol ping)") from None
+        raise
     if done.returncode != 0:
-        raise PipelineError(f"sweep: sbatch refused the array job ({(done.stderr or done.stdout).strip()[:300]})")
+        raise PipelineError(f"sweep: sbatch refused the array job ({' '.join((done.stderr or done.stdout).split())[:300]})")
     job = done.stdout.strip().split(";")[0]
     for index in indices:
         record["experiments"][index]["job"] = f"{job}_{index}"
@@ -152,6 +166,7 @@ def sweep(ctx: click.Context, options: tuple[str, ...], name: str | None, remote
         raise PipelineError(f"sweep: git remote {remote!r} ({url}) cannot be reached from here "
                             f"({' '.join(reachable.stderr.split())[:300]}); the nodes clone the project from it: fix "
                             "it, or name another with --remote")
+    check_unused(found[0].name.rsplit("-", 1)[0], git("ls-remote", "-q", remote, "refs/exps/*").stdout)
     request = resources(configs)
     # The nodes fetch the commit by this ref: it reaches the remote even where no branch holds it.
     pushed = git("push", "-q", remote, f"HEAD:refs/sweeps/{sweep_id}")
@@ -159,12 +174,29 @@ def sweep(ctx: click.Context, options: tuple[str, ...], name: str | None, remote
         raise PipelineError(f"sweep: git push {remote} HEAD:refs/sweeps/{sweep_id} failed "
                             f"({' '.join(pushed.stderr.split())[:300]}); the nodes fetch the commit from there")
     record = {"id": sweep_id, "commit": commit, "remote": remote, "url": url, "submitted": time.time(),
-              "experiments": [{**e.as_dict(), "job": None} for e in found]}
-    write_json(record_path(sweep_id), record)
-    job = submit_tasks(record, list(range(len(found))), request)
+              "request": request, "experiments": [{**e.as_dict(), "job": None} for e in found]}
+    try:
+        write_json(record_path(sweep_id), record)
+        job = submit_tasks(record, list(range(len(found))))
+    except BaseException:  # nothing submitted: nothing of the sweep is left here or on the remote
+        shutil.rmtree(record_path(sweep_id).parent, ignore_errors=True)
+        git("push", "-q", remote, f":refs/sweeps/{sweep_id}")
+        raise
     click.echo(f"sweep {sweep_id}: {len(found)} experiments ({found[0].name} ... {found[-1].name}) submitted as "
                f"Slurm array job {job}; nothing here waits for them")
     click.echo(f"  `mnist-pipeline sweep status {sweep_id}`; once done, `mnist-pipeline sweep pull {sweep_id}`")
+
+
+def check_unused(prefix: str, remote_refs: str) -> None:
+    """An experiment's name is the sweep's own: one that another sweep here or an experiment on
+    the remote has would make `dvc exp push` overwrite it, or `sweep pull` bring back the other."""
+    for path in grid.SWEEPS_DIR.glob("*/sweep.json"):
+        if any(e["name"].rsplit("-", 1)[0] == prefix for e in read_json(path, "remove that sweep's folder")["experiments"]):
+            raise PipelineError(f"sweep: --name {prefix} is taken by sweep {path.parent.name}; choose another")
+    for line in remote_refs.splitlines():
+        name = line.rsplit("/", 1)[-1]
+        if line.split()[-1].startswith("refs/exps/") and name.rsplit("-", 1)[0] == prefix:
+            raise PipelineError(f"sweep: the remote already holds an experiment {name}; choose another --name")
 
 
 def queue_states(record: dict) -> dict[str, str]:
@@ -226,10 +258,7 @@ def rerun(sweep_id: str, names: tuple[str, ...]) -> None:
     chosen = list(names) or [name for name, (_, state) in found.items() if state == "failed"]
     if not chosen:
         raise PipelineError(f"sweep {sweep_id}: no experiment failed; nothing to run again")
-    _, text = read_config("params.yaml")
-    raw = yaml.safe_load(text)
-    configs = [config_from_dict(grid.apply(raw, tuple(e["overrides"]), "params.yaml")) for e in record["experiments"]]
-    job = submit_tasks(record, [found[name][0] for name in chosen], resources(configs))
+    job = submit_tasks(record, [found[name][0] for name in chosen])  # as first asked: the submitted commit's params
     click.echo(f"sweep {sweep_id}: {', '.join(chosen)} submitted again as Slurm array job {job}")
 
 
@@ -239,14 +268,20 @@ def pull(sweep_id: str | None) -> None:
     """`dvc exp pull` the sweep's done experiments from its git remote (and their outputs from the
     DVC remote): then `make show` lists them beside the workspace's."""
     record = read_record(sweep_id)
-    done = [experiment["name"] for experiment, state, _ in states(record) if state == "done"]
+    done = [(experiment["name"], written) for experiment, state, written in states(record) if state == "done"]
     if not done:
         raise PipelineError(f"sweep {record['id']}: no experiment is done yet (`mnist-pipeline sweep status`)")
-    pulled = subprocess.run(["dvc", "exp", "pull", *([] if dvc_remote() else ["--no-cache"]), record["remote"], *done],
+    # By full ref: a name alone is ambiguous where another commit has an experiment of that name.
+    commit = record["commit"]
+    refs = [f"refs/exps/{commit[:2]}/{commit[2:]}/{name}" for name, _ in done]
+    # Outputs too, where every task pushed them to a DVC remote and this workspace has one.
+    with_outputs = dvc_remote() and all(written.get("dvc_remote") for _, written in done)
+    pulled = subprocess.run(["dvc", "exp", "pull", *([] if with_outputs else ["--no-cache"]), record["remote"], *refs],
                             capture_output=True, text=True)
     if pulled.returncode != 0:
         raise PipelineError(f"sweep: dvc exp pull failed ({' '.join((pulled.stderr or pulled.stdout).split())[:300]})")
-    click.echo(f"sweep {record['id']}: pulled {', '.join(done)}; `make show` lists them")
+    click.echo(f"sweep {record['id']}: pulled {', '.join(name for name, _ in done)}; `make show` lists them "
+               f"(`make show ARGS=-A` once the workspace has moved on from commit {commit[:12]})")
 
 
 def dvc_remote(cwd: Path | None = None, env: dict | None = None) -> str | None:
@@ -261,6 +296,7 @@ class _Stopped(Exception):
 
 
 def _stop(signum, frame) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # Slurm may say it again: the first one is being handled
     raise _Stopped(signal.Signals(signum).name)
 
 
@@ -299,7 +335,9 @@ def task(record_file: Path) -> None:
         for step, argv, cwd in steps:
             if step == "dvc exp push":
                 outputs_to = dvc_remote(checkout, env)
-                argv = ["dvc", "exp", "push", *([] if outputs_to else ["--no-cache"]), "origin", name]
+                # --force: the name is this sweep's own (checked at submission); a rerun replaces
+                # what a failed try may have pushed, where DVC would keep it and exit 0.
+                argv = ["dvc", "exp", "push", "--force", *([] if outputs_to else ["--no-cache"]), "origin", name]
             click.echo(f"sweep {record['id']} {name}: {step}", err=True)
             child = subprocess.Popen(argv, cwd=cwd, env=env, start_new_session=True)
             if child.wait() != 0:
@@ -311,14 +349,18 @@ def task(record_file: Path) -> None:
         subprocess.run(["rm", "-rf", str(checkout)])
         click.echo(f"sweep {record['id']} {name}: done, pushed to {record['remote']}", err=True)
     except (PipelineError, _Stopped, OSError, subprocess.SubprocessError) as exc:
-        if child is not None and child.poll() is None:
-            os.killpg(child.pid, signal.SIGTERM)
-            try:
-                child.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         why = f"stopped by {exc}" if isinstance(exc, _Stopped) else f"{step}: {exc}"
+        # Said first: Slurm kills what is left of the job KillWait (30 s by default) after its SIGTERM.
         write_json(state_file, {**started, "state": "failed", "finished": time.time(), "why": why,
                                 "checkout": str(checkout)})
+        if child is not None:  # the step's whole process group, its leader gone or not
+            for stop, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(child.pid, stop)
+                    child.wait(timeout=wait_s)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
         click.echo(f"sweep {record['id']} {name}: failed ({why}); its checkout is kept in {checkout}", err=True)
         sys.exit(1)

@@ -643,8 +643,7 @@ def test_a_sweep_runs_as_one_array_job_and_comes_back_as_dvc_experiments(hosts, 
                   "epochs": 1}})
     remote = tmp_path / "remote.git"  # the team's git server; here a bare repository both hosts see
     subprocess.run(["git", "init", "-q", "--bare", str(remote)], check=True)
-    subprocess.run(["git", "remote", "add", "origin", str(remote)], cwd=project, check=True)
-    subprocess.run(["git", "push", "-q", "origin", "main"], cwd=project, check=True)
+    subprocess.run(["git", "remote", "add", "origin", str(remote)], cwd=project, check=True)  # nothing pushed yet
     env = {**slurm, **project_env(project, MLFLOW_TRACKING_URI=tracking_server, MNIST_SOURCE=str(mnist_dir),
                                   SWEEP_SCRATCH=str(tmp_path / "scratch"), **CREDENTIALS)}
     (tmp_path / "scratch").mkdir()
@@ -679,6 +678,7 @@ def test_a_sweep_runs_as_one_array_job_and_comes_back_as_dvc_experiments(hosts, 
                interval=3, diagnose=lambda: cli("status", sweep_id).stdout + "".join(task_log(i) for i in range(4)))
     states = table()
     assert states == {"grid-1": "done", "grid-2": "failed", "grid-3": "done", "grid-4": "done"}, cli("status").stdout
+    assert re.search(r"^grid-2\s+failed \(stopped by SIGTERM\)", cli("status", sweep_id).stdout, re.M)
 
     again = cli("rerun", sweep_id)
     assert "grid-2 submitted again as Slurm array job" in again.stdout, again.stdout
@@ -691,6 +691,18 @@ def test_a_sweep_runs_as_one_array_job_and_comes_back_as_dvc_experiments(hosts, 
     show = subprocess.run([sys.executable, str(ROOT / "scripts/show_experiments.py")],
                           cwd=project, capture_output=True, text=True, env=subprocess_env(**project_env(project)))
     assert show.returncode == 0 and all(name in show.stdout for name in names), show.stdout + show.stderr
+    rows = {line.split()[0]: line for line in show.stdout.splitlines() if line.strip().startswith("grid-")}
+    assert "0.01" in rows["grid-1"] and "0.02" in rows["grid-4"], show.stdout  # each its own overrides
+    again_named = hosts[0].run(["mnist-pipeline", "sweep", "-S", "train.lr=0.01,0.02", "--name", "grid"], cwd=project,
+                               env=env, timeout=120)
+    assert again_named.returncode == 1 and "--name grid is taken by sweep" in again_named.stderr, again_named.stderr
+    # An array Slurm refuses (more memory than a node has) leaves nothing: no record, no ref on the remote.
+    too_big = hosts[0].run(["mnist-pipeline", "sweep", "-S", "train.mem_per_rank_gb=64", "--name", "big"], cwd=project,
+                           env=env, timeout=120)
+    assert too_big.returncode == 1 and "sweep: sbatch refused the array job" in too_big.stderr, too_big.stderr
+    assert len(too_big.stderr.strip().splitlines()) == 1 and sorted(p.name for p in (project / ".sweeps").iterdir()) == [sweep_id]
+    refs = subprocess.run(["git", "ls-remote", str(remote), "refs/sweeps/*"], capture_output=True, text=True).stdout
+    assert [line.split()[1] for line in refs.splitlines()] == [f"refs/sweeps/{sweep_id}"], refs
     # MLflow groups them by experiment, as it does `dvc exp run`'s here: grid-N/single, finished.
     finished = {r["name"] for r in server_runs(hosts[0], tracking_server) if r["status"] == "FINISHED"}
     assert {f"{name}/single" for name in names} <= finished, finished

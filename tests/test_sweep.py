@@ -46,6 +46,12 @@ def test_a_grid_params_yaml_refuses_is_one_line_naming_the_override(options, say
     assert says in str(refused.value) and "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("name", ["a..b", "x.lock", "-x", "a/b", "n" * 101])
+def test_a_name_that_makes_no_git_ref_is_refused(name):
+    with pytest.raises(ConfigError, match="as a DVC experiment's name"):
+        sweep.experiments(RAW, ["train.lr=0.1"], name)
+
+
 @pytest.mark.parametrize("written, queued, state", [
     (None, "PENDING", "queued"),
     ({"state": "running"}, "RUNNING", "running"),
@@ -90,7 +96,7 @@ UNTRACKED = ["-S", "tracking.enabled=false"]  # no tracking server needed for th
     ("no remote", [*UNTRACKED, "-S", "train.lr=0.1,0.2"], "no git remote 'origin' here"),
     ("gone remote", [*UNTRACKED, "-S", "train.lr=0.1,0.2"], "git remote 'origin' ("),
     ("no sbatch", [*UNTRACKED, "-S", "train.lr=0.1,0.2"], "sbatch is not on PATH"),
-    ("", ["--name", "a b", "-S", "train.lr=0.1,0.2"], "--name 'a b': use letters, digits"),
+    ("", ["--name", "a b", "-S", "train.lr=0.1,0.2"], "--name 'a b': use up to 100 letters, digits"),
 ])
 def test_bad_input_submits_nothing_and_says_why_in_one_line(project, tmp_path, case, args, says):
     env = {}
@@ -101,8 +107,10 @@ def test_bad_input_submits_nothing_and_says_why_in_one_line(project, tmp_path, c
     elif case == "gone remote":
         run(["git", "remote", "set-url", "origin", str(tmp_path / "gone.git")], project)
     elif case == "no sbatch":
-        env["PATH"] = str(VENV_BIN) + ":" + str(Path(shutil.which("git")).parent)
-        assert shutil.which("sbatch", path=env["PATH"]) is None or pytest.skip("sbatch beside git")
+        tools = tmp_path / "bin"  # git, and no Slurm
+        tools.mkdir()
+        (tools / "git").symlink_to(shutil.which("git"))
+        env["PATH"] = f"{VENV_BIN}:{tools}"
     refused = sweep_cli(project, *args, **env)
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 1 and len(lines) == 1 and says in lines[0], refused.stderr
