@@ -312,15 +312,20 @@ def test_the_kubeflow_trainjob_command_under_the_environment_trainer_injects(hos
     secrets = {"mlflow-credentials": {"username": CREDENTIALS["MLFLOW_TRACKING_USERNAME"],
                                       "password": CREDENTIALS["MLFLOW_TRACKING_PASSWORD"]}}
 
-    def resolve(entry: dict) -> str:
+    def resolve(entry: dict) -> str | None:
+        """As the kubelet does: None for an optional key that is not there (the variable stays unset)."""
         if "value" in entry:
             return entry["value"]
         if "configMapKeyRef" in entry["valueFrom"]:
-            return config_map[entry["valueFrom"]["configMapKeyRef"]["key"]]
-        ref = entry["valueFrom"]["secretKeyRef"]
-        return secrets[ref["name"]][ref["key"]]
+            ref = entry["valueFrom"]["configMapKeyRef"]
+            found = config_map.get(ref["key"])
+        else:
+            ref = entry["valueFrom"]["secretKeyRef"]
+            found = secrets.get(ref["name"], {}).get(ref["key"])
+        assert found is not None or ref.get("optional"), f"{entry['name']}: {ref} is not optional"
+        return found
 
-    manifest_env = {e["name"]: resolve(e) for e in trainer["env"]}
+    manifest_env = {e["name"]: value for e in trainer["env"] if (value := resolve(e)) is not None}
     assert {"MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"} <= set(manifest_env)
     dirs = node_dirs(small_project, tmp_path)
     procs = []
