@@ -1,5 +1,6 @@
 """`mnist-pipeline sweep`: a grid of `-S` overrides as DVC experiments, each run on the cluster as a
-task of one Slurm job array, and nothing left running where it was submitted.
+task of one Slurm job array (or, `--on kubernetes`, as a Kubeflow TrainJob of its own:
+stages/sweep_kubernetes.py), and nothing left running where it was submitted.
 
     mnist-pipeline sweep -S train.lr=0.01,0.02 -S train.epochs=1,2 --name lr-epochs
     mnist-pipeline sweep status            # queued, running, done or failed; job ids, MLflow runs
@@ -15,6 +16,7 @@ directory, which the nodes share, as the Slurm stages' outputs do.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -33,6 +35,7 @@ from pipeline.atomic import read_json, write_json
 from pipeline.config import config_from_dict, read_config
 from pipeline.errors import PipelineError
 from stages import slurm
+from stages import sweep_kubernetes as kubernetes
 
 GIT_TIMEOUT_S = 120
 
@@ -141,13 +144,21 @@ def submit_tasks(record: dict, indices: list[int]) -> str:
 @click.option("--name", default=None, help="The experiments' names: NAME-1, NAME-2, ... (default: sweep-ID).")
 @click.option("--remote", default="origin", show_default=True,
               help="The git remote the nodes clone the project from, and push the experiments to.")
+@click.option("--on", "where", type=click.Choice(["slurm", "kubernetes"]), default="slurm", show_default=True,
+              help="One Slurm array task, or one Kubeflow TrainJob, per experiment.")
+@click.option("--manifests-only", is_flag=True,
+              help="kubernetes: write the TrainJobs into .sweeps/ID/ without applying them.")
 @click.pass_context
-def sweep(ctx: click.Context, options: tuple[str, ...], name: str | None, remote: str) -> None:
-    """Run a grid of -S overrides as DVC experiments on the cluster, one Slurm array task each."""
+def sweep(ctx: click.Context, options: tuple[str, ...], name: str | None, remote: str, where: str,
+          manifests_only: bool) -> None:
+    """Run a grid of -S overrides as DVC experiments on the cluster, one Slurm array task (or one
+    Kubeflow TrainJob) each."""
     if ctx.invoked_subcommand is not None:
         if options or name:
             raise click.UsageError("-S and --name come without a sub-command: `mnist-pipeline sweep -S KEY=V1,V2`")
         return
+    if manifests_only and where != "kubernetes":
+        raise click.UsageError("--manifests-only goes with --on kubernetes")
     _, text = read_config("params.yaml")
     raw = yaml.safe_load(text)
     sweep_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
@@ -167,23 +178,42 @@ def sweep(ctx: click.Context, options: tuple[str, ...], name: str | None, remote
                             f"({' '.join(reachable.stderr.split())[:300]}); the nodes clone the project from it: fix "
                             "it, or name another with --remote")
     check_unused(found[0].name.rsplit("-", 1)[0], git("ls-remote", "-q", remote, "refs/exps/*").stdout)
-    request = resources(configs)
+    if where == "slurm":
+        request = resources(configs)
+    else:
+        request = None
+        if not manifests_only:
+            kubernetes.check_kubectl()
+        template = kubernetes.TEMPLATE.read_text() if kubernetes.TEMPLATE.is_file() else None
+        if template is None:
+            raise PipelineError(f"sweep: {kubernetes.TEMPLATE} is missing; run from the project's root directory")
     # The nodes fetch the commit by this ref: it reaches the remote even where no branch holds it.
     pushed = git("push", "-q", remote, f"HEAD:refs/sweeps/{sweep_id}")
     if pushed.returncode != 0:
         raise PipelineError(f"sweep: git push {remote} HEAD:refs/sweeps/{sweep_id} failed "
                             f"({' '.join(pushed.stderr.split())[:300]}); the nodes fetch the commit from there")
-    record = {"id": sweep_id, "commit": commit, "remote": remote, "url": url, "submitted": time.time(),
-              "request": request, "experiments": [{**e.as_dict(), "job": None} for e in found]}
+    record = {"id": sweep_id, "on": where, "commit": commit, "remote": remote, "url": url, "submitted": time.time(),
+              "request": request, "experiments": [
+                  {**e.as_dict(), "job": kubernetes.job_name(sweep_id, i) if where == "kubernetes" else None}
+                  for i, e in enumerate(found)]}
     try:
         write_json(record_path(sweep_id), record)
-        job = submit_tasks(record, list(range(len(found))))
+        if where == "slurm":
+            job = submit_tasks(record, list(range(len(found))))
+            how = f"submitted as Slurm array job {job}"
+        else:
+            every = kubernetes.write(record_path(sweep_id).parent, kubernetes.manifests(record, configs, template))
+            if manifests_only:
+                how = f"written as TrainJobs: `kubectl apply -f {every}` submits them"
+            else:
+                kubernetes.kubectl("apply", "-f", str(every))
+                how = f"submitted as {len(found)} TrainJobs (kubectl get trainjobs -l {kubernetes.LABEL}={sweep_id})"
     except BaseException:  # nothing submitted: nothing of the sweep is left here or on the remote
         shutil.rmtree(record_path(sweep_id).parent, ignore_errors=True)
         git("push", "-q", remote, f":refs/sweeps/{sweep_id}")
         raise
-    click.echo(f"sweep {sweep_id}: {len(found)} experiments ({found[0].name} ... {found[-1].name}) submitted as "
-               f"Slurm array job {job}; nothing here waits for them")
+    click.echo(f"sweep {sweep_id}: {len(found)} experiments ({found[0].name} ... {found[-1].name}) {how}; nothing "
+               "here waits for them")
     click.echo(f"  `mnist-pipeline sweep status {sweep_id}`; once done, `mnist-pipeline sweep pull {sweep_id}`")
 
 
@@ -212,7 +242,10 @@ def queue_states(record: dict) -> dict[str, str]:
 
 
 def states(record: dict) -> list[tuple[dict, str, dict | None]]:
-    """Each experiment, its state, and what its job wrote."""
+    """Each experiment, its state, and what its job wrote (on Kubernetes: its TrainJob's conditions)."""
+    if record.get("on") == "kubernetes":
+        jobs = kubernetes.jobs_of(record)
+        return [(e, kubernetes.state_of(jobs.get(e["job"])), None) for e in record["experiments"]]
     queue = queue_states(record)
     folder = record_path(record["id"]).parent
     found = []
@@ -234,7 +267,7 @@ def status(sweep_id: str | None) -> None:
     for experiment, state, written in states(record):
         runs = " ".join(f"{mode}={run}" for mode, run in (written or {}).get("runs", {}).items()) or "-"
         why = f" ({written['why']})" if state == "failed" and written and written.get("why") else ""
-        if state == "failed" and written is None:
+        if state == "failed" and written is None and record.get("on") != "kubernetes":
             why = " (its job ended without a word: killed, or its node failed)"
         rows.append((experiment["name"], state + why, experiment["job"] or "-", runs, " ".join(experiment["overrides"])))
     click.echo(f"sweep {record['id']} (commit {record['commit'][:12]}, remote {record['remote']})")
@@ -258,6 +291,15 @@ def rerun(sweep_id: str, names: tuple[str, ...]) -> None:
     chosen = list(names) or [name for name, (_, state) in found.items() if state == "failed"]
     if not chosen:
         raise PipelineError(f"sweep {sweep_id}: no experiment failed; nothing to run again")
+    if record.get("on") == "kubernetes":
+        kubernetes.check_kubectl()
+        folder = record_path(sweep_id).parent
+        for name in chosen:
+            job = record["experiments"][found[name][0]]["job"]
+            kubernetes.kubectl("delete", "trainjob", job, "--ignore-not-found")
+            kubernetes.kubectl("apply", "-f", str(folder / f"{job}.yaml"))
+        click.echo(f"sweep {sweep_id}: {', '.join(chosen)} submitted again as TrainJobs")
+        return
     job = submit_tasks(record, [found[name][0] for name in chosen])  # as first asked: the submitted commit's params
     click.echo(f"sweep {sweep_id}: {', '.join(chosen)} submitted again as Slurm array job {job}")
 
@@ -275,7 +317,7 @@ def pull(sweep_id: str | None) -> None:
     commit = record["commit"]
     refs = [f"refs/exps/{commit[:2]}/{commit[2:]}/{name}" for name, _ in done]
     # Outputs too, where every task pushed them to a DVC remote and this workspace has one.
-    with_outputs = dvc_remote() and all(written.get("dvc_remote") for _, written in done)
+    with_outputs = dvc_remote() and all((written or {}).get("dvc_remote", True) for _, written in done)
     pulled = subprocess.run(["dvc", "exp", "pull", *([] if with_outputs else ["--no-cache"]), record["remote"], *refs],
                             capture_output=True, text=True)
     if pulled.returncode != 0:
@@ -291,6 +333,11 @@ def dvc_remote(cwd: Path | None = None, env: dict | None = None) -> str | None:
     return named.stdout.strip() if named.returncode == 0 and named.stdout.strip() else None
 
 
+def write_state(path: Path | None, state: dict) -> None:
+    if path is not None:  # a TrainJob's pod has none: its conditions say it
+        write_json(path, state)
+
+
 class _Stopped(Exception):
     pass
 
@@ -301,19 +348,28 @@ def _stop(signum, frame) -> None:
 
 
 @sweep.command(hidden=True)
-@click.argument("record_file", type=click.Path(path_type=Path))
-def task(record_file: Path) -> None:
-    """One experiment of a sweep, as its Slurm array task (SLURM_ARRAY_TASK_ID picks it)."""
-    index = int(os.environ.get("SLURM_ARRAY_TASK_ID", "-1"))
-    record = read_json(record_file, "submit the sweep again")
-    if not 0 <= index < len(record["experiments"]):
-        raise PipelineError(f"sweep task: SLURM_ARRAY_TASK_ID={index} names no experiment of {record_file}")
+@click.argument("record_file", type=click.Path(path_type=Path), required=False)
+def task(record_file: Path | None) -> None:
+    """One experiment of a sweep: its Slurm array task (the sweep's record, SLURM_ARRAY_TASK_ID
+    picks the experiment; its state goes beside the record), or its TrainJob's pod (SWEEP_TASK
+    holds the experiment; the TrainJob's conditions are its state)."""
+    if record_file is None:
+        try:
+            record, index = json.loads(os.environ[kubernetes.TASK_ENV]), 0
+        except (KeyError, ValueError):
+            raise PipelineError(f"sweep task: give the sweep's record, or {kubernetes.TASK_ENV} (a TrainJob's)") from None
+        job, state_file = record["experiments"][0]["job"], None
+    else:
+        index = int(os.environ.get("SLURM_ARRAY_TASK_ID", "-1"))
+        record = read_json(record_file, "submit the sweep again")
+        if not 0 <= index < len(record["experiments"]):
+            raise PipelineError(f"sweep task: SLURM_ARRAY_TASK_ID={index} names no experiment of {record_file}")
+        job = f"{os.environ.get('SLURM_ARRAY_JOB_ID', '?')}_{index}"
+        state_file = record_file.parent / f"{record['experiments'][index]['name']}.json"
     experiment = record["experiments"][index]
     name = experiment["name"]
-    job = f"{os.environ.get('SLURM_ARRAY_JOB_ID', '?')}_{index}"
-    state_file = record_file.parent / f"{name}.json"
     started = {"state": "running", "job": job, "host": socket.gethostname(), "started": time.time()}
-    write_json(state_file, started)
+    write_state(state_file, started)
     scratch = Path(os.environ.get("SWEEP_SCRATCH") or os.environ.get("TMPDIR") or "/tmp")
     checkout = scratch / f"mnist-sweep-{record['id']}-{name}"
     # The checkout's own code, not what an editable install or PYTHONPATH points at (the submitting
@@ -344,15 +400,15 @@ def task(record_file: Path) -> None:
                 raise PipelineError(f"{step} exited with {child.returncode}")
         runs = {ids.parent.name: read_json(ids, "").get("parent")
                 for ids in sorted((checkout / "models").glob("*/mlflow_run.json"))}
-        write_json(state_file, {**started, "state": "done", "finished": time.time(),
+        write_state(state_file, {**started, "state": "done", "finished": time.time(),
                                 "runs": {mode: run for mode, run in runs.items() if run}, "dvc_remote": outputs_to})
         subprocess.run(["rm", "-rf", str(checkout)])
-        click.echo(f"sweep {record['id']} {name}: done, pushed to {record['remote']}", err=True)
+        click.echo(f"sweep {record['id']} {name}: done, pushed to origin ({record['url']})", err=True)
     except (PipelineError, _Stopped, OSError, subprocess.SubprocessError) as exc:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         why = f"stopped by {exc}" if isinstance(exc, _Stopped) else f"{step}: {exc}"
         # Said first: Slurm kills what is left of the job KillWait (30 s by default) after its SIGTERM.
-        write_json(state_file, {**started, "state": "failed", "finished": time.time(), "why": why,
+        write_state(state_file, {**started, "state": "failed", "finished": time.time(), "why": why,
                                 "checkout": str(checkout)})
         if child is not None:  # the step's whole process group, its leader gone or not
             for stop, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):

@@ -3,10 +3,12 @@ nothing. The sweep on a real Slurm cluster is in tests/test_multinode.py."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
@@ -72,8 +74,10 @@ def project(tmp_path) -> Path:
     folder = tmp_path / "proj"
     folder.mkdir()
     (folder / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    (folder / "deploy/kubernetes").mkdir(parents=True)
+    shutil.copy(ROOT / "deploy/kubernetes/sweep-trainjob.yaml", folder / "deploy/kubernetes")
     run(["git", "init", "-q", "-b", "main"], folder)
-    run(["git", "add", "params.yaml"], folder)
+    run(["git", "add", "params.yaml", "deploy"], folder)
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "params"], folder)
     run(["git", "init", "-q", "--bare", str(tmp_path / "remote.git")], tmp_path)
     run(["git", "remote", "add", "origin", str(tmp_path / "remote.git")], folder)
@@ -96,6 +100,7 @@ UNTRACKED = ["-S", "tracking.enabled=false"]  # no tracking server needed for th
     ("no remote", [*UNTRACKED, "-S", "train.lr=0.1,0.2"], "no git remote 'origin' here"),
     ("gone remote", [*UNTRACKED, "-S", "train.lr=0.1,0.2"], "git remote 'origin' ("),
     ("no sbatch", [*UNTRACKED, "-S", "train.lr=0.1,0.2"], "sbatch is not on PATH"),
+    ("no sbatch", [*UNTRACKED, "--on", "kubernetes", "-S", "train.lr=0.1,0.2"], "kubectl is not on PATH"),
     ("", ["--name", "a b", "-S", "train.lr=0.1,0.2"], "--name 'a b': use up to 100 letters, digits"),
 ])
 def test_bad_input_submits_nothing_and_says_why_in_one_line(project, tmp_path, case, args, says):
@@ -116,3 +121,59 @@ def test_bad_input_submits_nothing_and_says_why_in_one_line(project, tmp_path, c
     assert refused.returncode == 1 and len(lines) == 1 and says in lines[0], refused.stderr
     assert not (project / ".sweeps").exists()
     assert "refs/sweeps" not in run(["git", "ls-remote", str(tmp_path / "remote.git")], tmp_path).stdout
+
+
+def test_on_kubernetes_each_experiment_is_a_trainjob_of_its_own_valid_against_trainers_crd(project, tmp_path):
+    """`--manifests-only`: one TrainJob per experiment, each valid against Trainer's CRD schema and
+    Pod Security "restricted", its parameters in it (SWEEP_TASK), its resources the largest
+    experiment's; the commit on the remote under the sweep's ref."""
+    from tests.test_deploy import patched_pod, restricted_violations, trainjob_schema
+
+    made = sweep_cli(project, *UNTRACKED, "--on", "kubernetes", "--manifests-only", "-S", "train.lr=0.01,0.02",
+                     "-S", "train.cpus_per_rank=1,3", "--name", "k8s")
+    assert made.returncode == 0 and "written as TrainJobs: `kubectl apply -f" in made.stdout, made.stderr
+    (folder,) = (project / ".sweeps").iterdir()
+    jobs = list(yaml.safe_load_all((folder / "trainjobs.yaml").read_text()))
+    schema = trainjob_schema()
+    tasks = []
+    for number, job in enumerate(jobs, start=1):
+        jsonschema.validate(job, schema)
+        assert not restricted_violations(patched_pod(job)), restricted_violations(patched_pod(job))
+        assert job["metadata"]["name"] == f"mnist-sweep-{folder.name}-{number}" and len(job["metadata"]["name"]) <= 63
+        assert job["metadata"]["labels"] == {"mnist-pipeline/sweep": folder.name}
+        assert yaml.safe_load((folder / f"{job['metadata']['name']}.yaml").read_text()) == job  # a rerun's file
+        (task,) = [e["value"] for e in job["spec"]["trainer"]["env"] if e["name"] == "SWEEP_TASK"]
+        tasks.append(json.loads(task))
+        assert job["spec"]["trainer"]["resourcesPerNode"]["requests"]["cpu"] == "3"  # the largest experiment's
+    assert [t["experiments"][0]["overrides"] for t in tasks] == [
+        ["tracking.enabled=false", "train.lr=0.01", "train.cpus_per_rank=1"],
+        ["tracking.enabled=false", "train.lr=0.01", "train.cpus_per_rank=3"],
+        ["tracking.enabled=false", "train.lr=0.02", "train.cpus_per_rank=1"],
+        ["tracking.enabled=false", "train.lr=0.02", "train.cpus_per_rank=3"]]
+    commit = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
+    assert {t["commit"] for t in tasks} == {commit}
+    assert f"{commit}\trefs/sweeps/{folder.name}" in run(["git", "ls-remote", str(tmp_path / "remote.git")], tmp_path).stdout
+
+
+def condition(kind: str, status: str) -> dict:
+    return {"type": kind, "status": status, "reason": kind, "message": "", "lastTransitionTime": "2026-12-07T12:00:00Z"}
+
+
+@pytest.mark.parametrize("conditions, state", [
+    ([], "running"),
+    ([condition("Suspended", "True")], "queued"),
+    ([condition("Created", "True")], "running"),
+    ([condition("Created", "True"), condition("Complete", "True")], "done"),
+    ([condition("Created", "True"), condition("Failed", "True")], "failed"),
+    ([condition("Suspended", "False"), condition("Complete", "False")], "running"),
+])
+def test_a_trainjobs_state_from_the_conditions_trainer_sets(conditions, state):
+    """Conditions as Trainer's CRD defines them (Suspended, Created, Complete, Failed: its
+    v1alpha1 constants), checked against the CRD's schema for the status."""
+    from stages import sweep_kubernetes
+    from tests.test_deploy import manifests, trainjob_schema
+
+    job = {**manifests()["TrainJob"], "status": {"conditions": conditions}}
+    jsonschema.validate(job, trainjob_schema())
+    assert sweep_kubernetes.state_of(job) == state
+    assert sweep_kubernetes.state_of(None) == "failed"  # deleted before it finished
