@@ -14,7 +14,8 @@ from pipeline.atomic import write_json
 from pipeline.config import Config, WorkloadConfig, flatten, load_config
 from pipeline.workloads import load_workload, workload_of
 from pipeline.tracking.runs import start_mode_run, until_done
-from pipeline.tracking.store import check_node_artifacts, check_store, check_worker_store, tracking_uri
+from pipeline.tracking.bucket import check_node_artifacts
+from pipeline.tracking.store import check_store, check_worker_store, tracking_uri
 from stages.common import echo_detail, params_option, verbose
 from stages import slurm
 from stages.workers import launch_workers, run_facts

@@ -36,7 +36,8 @@ from pipeline.prepared import STATS_FILE, load_stats
 from torch.utils.data import default_collate
 from pipeline.tracking.delivery import OUTBOX_DIR
 from pipeline.tracking.runs import fail_unfinished, missing_runs, start_mode_run, until_done
-from pipeline.tracking.store import check_node_artifacts, check_worker_store, preflight, shown, tracking_uri
+from pipeline.tracking.bucket import check_experiment, check_node_artifacts
+from pipeline.tracking.store import check_worker_store, preflight, shown, tracking_uri
 from pipeline.tracking import outbox
 from stages.common import model_dir, params_option, read_run_ids, run_ids_file
 from stages import slurm
@@ -402,7 +403,7 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
     # A file saved since this command's imports: refused before pick_up clears the last training's files.
     record.check_code_as_imported()
     if config.tracking.enabled:
-        preflight(config.tracking)  # store, schema, host, account, experiment name
+        check_experiment(preflight(config.tracking))  # store, schema, host, account, experiment, bucket
     if slurm.launcher(config) == "slurm":  # every mode trains in a job, on a node like DDP's
         slurm.check_ready(config, slurm.job_for(config, "train", mode))
     else:

@@ -7,6 +7,7 @@ Metrics go out in one batch per epoch and run, never per step, so tracking costs
 
 One concern per module, each importing only those above it:
   store           where runs go (URIs, the default SQLite store), its checks, its errors as one line
+  bucket          artifacts that every rank writes to a bucket: checked before training
   facts           what a run records about where it ran (git, DVC, the datasets it read)
   model           the logged model: logged, and loaded back without running anything from the store
   outbox          calls kept on disk until the server takes them (no MLflow)

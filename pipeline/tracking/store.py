@@ -72,14 +72,14 @@ def http_status(exc: BaseException) -> int | None:
     response = getattr(exc, "response", None)  # requests' HTTPError, from artifact uploads
     if getattr(response, "status_code", None):
         return int(response.status_code)
-    if (bucket := _bucket_status(exc)) is not None:
+    if (bucket := bucket_status(exc)) is not None:
         return bucket
     if hasattr(exc, "get_http_status_code") and getattr(exc, "error_code", "INTERNAL_ERROR") != "INTERNAL_ERROR":
         return int(exc.get_http_status_code())
     return None
 
 
-def _bucket_status(exc: BaseException) -> int | None:
+def bucket_status(exc: BaseException) -> int | None:
     """The status an S3 bucket answered (botocore's ClientError keeps it in a dict), also under
     boto3's S3UploadFailedError, raised while handling it, with which MLflow's uploads fail."""
     if type(exc).__module__.split(".")[0] not in ("boto3", "botocore", "s3transfer"):
@@ -105,7 +105,7 @@ BUCKET_OUTAGES = {"RequestTimeout", "OperationAborted", "SlowDown", "InternalErr
                   "RequestTimeTooSkewed"}
 
 
-def _bucket_error_code(exc: BaseException) -> str | None:
+def bucket_error_code(exc: BaseException) -> str | None:
     for link in (exc, exc.__cause__, exc.__context__):
         response = getattr(link, "response", None)
         if isinstance(response, dict) and response.get("Error", {}).get("Code"):
@@ -121,7 +121,7 @@ def refused(exc: BaseException) -> bool:
     timeout, a 5xx or 408/429 answer, and errors of libraries this cannot know (cloud SDKs)."""
     if any(reason in str(exc) for reason in REFUSALS):
         return True
-    if _bucket_status(exc) is not None and _bucket_error_code(exc) in BUCKET_OUTAGES:
+    if bucket_status(exc) is not None and bucket_error_code(exc) in BUCKET_OUTAGES:
         return False
     status = http_status(exc)
     if status is not None:
@@ -312,86 +312,7 @@ def preflight(config: TrackingConfig) -> str | None:
             raise PipelineError(
                 f"tracking.experiment = {config.experiment!r} is deleted in {shown(uri)}: restore it (`mlflow "
                 f"experiments restore --experiment-id {experiment.experiment_id}`) or choose another name")
-        experiment_id = open_experiment(client, config.experiment, uri)
-        check_artifact_location(client.get_experiment(experiment_id).artifact_location)
-        return experiment_id
-
-
-def check_artifact_location(location: str) -> None:
-    """Where a server hands its artifacts to the clients to write themselves (`mlflow server
-    --no-serve-artifacts --default-artifact-root s3://BUCKET/PATH`), every rank writes to the bucket
-    with its own credentials. A missing or refused credential, an endpoint that does not answer or
-    a bucket that is not there is found here, before training, not as an outage once it is over:
-    a small object is written where the runs' files go, and removed. (A server that serves its
-    artifacts, mlflow-artifacts:/, writes them with its own.)"""
-    if not location.startswith("s3://"):
-        return
-    import boto3
-    import botocore.exceptions
-
-    parsed = urllib.parse.urlparse(location)
-    bucket, key = parsed.netloc, f"{parsed.path.strip('/')}/.mnist-pipeline-write-check".lstrip("/")
-    where = f"the experiment's artifact location {location}"
-    endpoint = os.environ.get("MLFLOW_S3_ENDPOINT_URL") or None
-    try:
-        client = boto3.client("s3", **_as_mlflow_does(endpoint))
-        at = shown(client.meta.endpoint_url)
-        client.put_object(Bucket=bucket, Key=key, Body=b"")
-    except (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError,
-            botocore.exceptions.ProfileNotFound) as exc:
-        raise PipelineError(
-            f"{where}: every rank writes there itself, and this one has no usable S3 credentials ({reason(exc)}); "
-            "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE and its ~/.aws/credentials) where every "
-            "rank runs") from None
-    except botocore.exceptions.ClientError as exc:
-        status, code = _bucket_status(exc), _bucket_error_code(exc)
-        if code == "NoSuchBucket":
-            raise PipelineError(f"{where}: bucket {bucket!r} does not exist at {at}; create it, or start the "
-                                "tracking server with an existing one") from None
-        if status in (401, 403):
-            raise PipelineError(
-                f"{where}: {at} does not let this client write there ({code}, HTTP {status}); set AWS_ACCESS_KEY_ID "
-                "and AWS_SECRET_ACCESS_KEY to a key that may write under that prefix") from None
-        raise PipelineError(f"{where}: {at} answered {reason(exc)}; fix the bucket or the server") from None
-    except ValueError as exc:  # an endpoint that is no URL (no scheme)
-        raise PipelineError(f"{where}: MLFLOW_S3_ENDPOINT_URL={shown(endpoint or '')} is not usable ({reason(exc)}); "
-                            "set it to the server's URL, e.g. http://minio.internal:9000") from None
-    except botocore.exceptions.BotoCoreError as exc:  # no connection, a timeout, a TLS failure
-        raise PipelineError(f"{where}: cannot reach {shown(endpoint or 'S3')} ({reason(exc)}); start it, or fix "
-                            "MLFLOW_S3_ENDPOINT_URL (and MLFLOW_S3_IGNORE_TLS for a self-signed certificate)") from None
-    try:
-        client.delete_object(Bucket=bucket, Key=key)
-    except botocore.exceptions.ClientError:
-        pass  # a key that may write but not delete: the check's empty object stays, and training may go on
-
-
-def _as_mlflow_does(endpoint: str | None) -> dict:
-    """boto3.client's settings as MLflow's S3 artifact repository makes them (its TLS, signature
-    and addressing settings), with short timeouts: a check waits seconds, not minutes."""
-    from botocore.config import Config
-
-    ignore_tls = os.environ.get("MLFLOW_S3_IGNORE_TLS", "").lower() in ("true", "1")
-    style = os.environ.get("MLFLOW_BOTO_CLIENT_ADDRESSING_STYLE") or "auto"
-    signature = os.environ.get("MLFLOW_EXPERIMENTAL_S3_SIGNATURE_VERSION", "s3v4")
-    return {"endpoint_url": endpoint, "verify": False if ignore_tls else None,
-            "config": Config(signature_version=signature, s3={"addressing_style": style},
-                             connect_timeout=HEALTH_TIMEOUT_S, read_timeout=HEALTH_TIMEOUT_S,
-                             retries={"max_attempts": 2})}
-
-
-def check_node_artifacts(rank: Rank, config: TrackingConfig) -> None:
-    """preflight's artifact check, in each node's first worker: a training started where no
-    `train` command ran it first (torchrun by hand, the TrainJob, a Slurm job) writes the bucket
-    with each node's own credentials. An experiment not made yet is checked by whoever makes it."""
-    if rank.local_rank != 0:
-        return
-    from mlflow import MlflowClient
-
-    uri = tracking_uri()
-    with store_errors(uri, f"opening experiment {config.experiment!r}"):
-        experiment = MlflowClient(uri).get_experiment_by_name(config.experiment)
-    if experiment is not None:
-        check_artifact_location(experiment.artifact_location)
+        return open_experiment(client, config.experiment, uri)
 
 
 # MLflow 3's UI opens an experiment on its GenAI pages (traces, token usage) unless the experiment
