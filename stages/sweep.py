@@ -182,6 +182,7 @@ def sweep(ctx: click.Context, options: tuple[str, ...], name: str | None, remote
         request = resources(configs)
     else:
         request = None
+        kubernetes.check_configs(configs)
         if not manifests_only:
             kubernetes.check_kubectl()
         template = kubernetes.TEMPLATE.read_text() if kubernetes.TEMPLATE.is_file() else None
@@ -206,7 +207,7 @@ def sweep(ctx: click.Context, options: tuple[str, ...], name: str | None, remote
             if manifests_only:
                 how = f"written as TrainJobs: `kubectl apply -f {every}` submits them"
             else:
-                kubernetes.kubectl("apply", "-f", str(every))
+                kubernetes.submit(every)
                 how = f"submitted as {len(found)} TrainJobs (kubectl get trainjobs -l {kubernetes.LABEL}={sweep_id})"
     except BaseException:  # nothing submitted: nothing of the sweep is left here or on the remote
         shutil.rmtree(record_path(sweep_id).parent, ignore_errors=True)
@@ -295,9 +296,7 @@ def rerun(sweep_id: str, names: tuple[str, ...]) -> None:
         kubernetes.check_kubectl()
         folder = record_path(sweep_id).parent
         for name in chosen:
-            job = record["experiments"][found[name][0]]["job"]
-            kubernetes.kubectl("delete", "trainjob", job, "--ignore-not-found")
-            kubernetes.kubectl("apply", "-f", str(folder / f"{job}.yaml"))
+            kubernetes.apply_again(folder, record["experiments"][found[name][0]]["job"])
         click.echo(f"sweep {sweep_id}: {', '.join(chosen)} submitted again as TrainJobs")
         return
     job = submit_tasks(record, [found[name][0] for name in chosen])  # as first asked: the submitted commit's params
@@ -418,5 +417,6 @@ def task(record_file: Path | None) -> None:
                     break
                 except (ProcessLookupError, subprocess.TimeoutExpired):
                     continue
-        click.echo(f"sweep {record['id']} {name}: failed ({why}); its checkout is kept in {checkout}", err=True)
+        kept = "" if state_file is None else f"; its checkout is kept in {checkout}"  # a pod's goes with it
+        click.echo(f"sweep {record['id']} {name}: failed ({why}){kept}", err=True)
         sys.exit(1)

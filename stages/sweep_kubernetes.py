@@ -26,18 +26,35 @@ def job_name(sweep_id: str, index: int) -> str:
     return f"mnist-sweep-{sweep_id}-{index + 1}"
 
 
+SHM_MB = 8192  # the template's /dev/shm (a memory emptyDir), which counts against the memory limit
+
+
+def check_configs(configs) -> None:
+    """What a pod cannot find out for itself: it sees only the GPUs it asks for, and runs every
+    stage where it is."""
+    for config in configs:
+        if config.train.device == "auto" or (config.train.device == "cuda" and not config.train.nproc):
+            raise PipelineError("sweep --on kubernetes: a pod sees only the GPUs it asks for; set train.device: cuda "
+                                "with train.nproc (the GPUs each experiment takes), or train.device: cpu")
+        if config.train.launcher != "local":
+            raise PipelineError(f"sweep --on kubernetes: train.launcher is {config.train.launcher}, but each "
+                                "experiment runs every stage in its pod; set train.launcher: local")
+
+
 def resources(configs) -> dict:
-    """What each pod asks for, as Slurm's tasks do: the most CPUs (train.cpus_per_rank a device),
-    memory and GPUs (train.device: cuda, train.nproc of them) any experiment needs."""
+    """What each pod asks for, as Slurm's tasks do: the most CPUs (train.cpus_per_rank a worker),
+    memory and GPUs (train.device: cuda, train.nproc of them) any experiment needs; the memory
+    limit leaves room for /dev/shm."""
     cpus, megabytes, gpus = 0, 0, 0
     for config in configs:
-        devices = max(config.train.nproc, 1)
-        cpus = max(cpus, config.train.cpus_per_rank * devices)
-        megabytes = max(megabytes, round(config.train.mem_per_rank_gb * 1024 * devices))
+        workers = config.train.nproc or 2  # 0: two DDP workers on a CPU (pipeline.parallel)
+        cpus = max(cpus, config.train.cpus_per_rank * workers)
+        megabytes = max(megabytes, round(config.train.mem_per_rank_gb * 1024 * workers))
         if config.train.device == "cuda":
-            gpus = max(gpus, devices)
-    asked = {"cpu": str(cpus), "memory": f"{megabytes}Mi", **({"nvidia.com/gpu": gpus} if gpus else {})}
-    return {"requests": asked, "limits": {key: value for key, value in asked.items() if key != "cpu"}}
+            gpus = max(gpus, config.train.nproc)
+    gpu = {"nvidia.com/gpu": gpus} if gpus else {}
+    return {"requests": {"cpu": str(cpus), "memory": f"{megabytes}Mi", **gpu},
+            "limits": {"memory": f"{megabytes + SHM_MB}Mi", **gpu}}
 
 
 def manifests(record: dict, configs, template: str) -> list[dict]:
@@ -54,6 +71,8 @@ def manifests(record: dict, configs, template: str) -> list[dict]:
         (entry,) = [e for e in job["spec"]["trainer"]["env"] if e["name"] == TASK_ENV]
         entry["value"] = json.dumps(task)
         job["spec"]["trainer"]["resourcesPerNode"] = resources(configs)
+        if not configs or configs[0].train.device != "cuda":  # the image shows every GPU unless told not to
+            job["spec"]["trainer"]["env"].append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"})
         jobs.append(job)
     return jobs
 
@@ -74,6 +93,7 @@ def check_kubectl() -> None:
 
 
 def kubectl(*args: str) -> subprocess.CompletedProcess:
+    check_kubectl()
     try:
         done = subprocess.run(["kubectl", *args], capture_output=True, text=True, timeout=KUBECTL_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -92,7 +112,7 @@ def state_of(job: dict | None) -> str:
     conditions = {c.get("type"): c.get("status") for c in job.get("status", {}).get("conditions", [])}
     if conditions.get("Complete") == "True":
         return "done"
-    if conditions.get("Failed") == "True":
+    if conditions.get("Failed") == "True" or conditions.get("Created") == "False":  # its JobSet could not be made
         return "failed"
     if conditions.get("Suspended") == "True":
         return "queued"
@@ -101,4 +121,26 @@ def state_of(job: dict | None) -> str:
 
 def jobs_of(record: dict) -> dict[str, dict]:
     listed = json.loads(kubectl("get", "trainjobs", "-l", f"{LABEL}={record['id']}", "-o", "json").stdout)
-    return {item["metadata"]["name"]: item for item in listed.get("items", [])}
+    found = {item["metadata"]["name"]: item for item in listed.get("items", [])}
+    if not found:  # another namespace or cluster than the submission's, more likely than all deleted
+        raise PipelineError(f"sweep {record['id']}: none of its TrainJobs is in kubectl's current namespace; switch "
+                            "to the one it was submitted to (kubectl config set-context --current --namespace=NS)")
+    return found
+
+
+def submit(every: Path) -> None:
+    """Apply every TrainJob, or none: the API server checks them all first (a schema or webhook
+    refusal), and a failure halfway deletes those it made."""
+    kubectl("apply", "--dry-run=server", "-f", str(every))
+    try:
+        kubectl("apply", "-f", str(every))
+    except BaseException:
+        subprocess.run(["kubectl", "delete", "--ignore-not-found", "--wait=false", "-f", str(every)],
+                       capture_output=True, timeout=KUBECTL_TIMEOUT_S)
+        raise
+
+
+def apply_again(folder: Path, job: str) -> None:
+    """A rerun: the old TrainJob and its JobSet gone first, then the same file applied."""
+    kubectl("delete", "trainjob", job, "--ignore-not-found", "--cascade=foreground", "--wait")
+    kubectl("apply", "-f", str(folder / f"{job}.yaml"))

@@ -100,7 +100,8 @@ UNTRACKED = ["-S", "tracking.enabled=false"]  # no tracking server needed for th
     ("no remote", [*UNTRACKED, "-S", "train.lr=0.1,0.2"], "no git remote 'origin' here"),
     ("gone remote", [*UNTRACKED, "-S", "train.lr=0.1,0.2"], "git remote 'origin' ("),
     ("no sbatch", [*UNTRACKED, "-S", "train.lr=0.1,0.2"], "sbatch is not on PATH"),
-    ("no sbatch", [*UNTRACKED, "--on", "kubernetes", "-S", "train.lr=0.1,0.2"], "kubectl is not on PATH"),
+    ("no sbatch", [*UNTRACKED, "-S", "train.device=cpu", "--on", "kubernetes", "-S", "train.lr=0.1,0.2"],
+     "kubectl is not on PATH"),
     ("", ["--name", "a b", "-S", "train.lr=0.1,0.2"], "--name 'a b': use up to 100 letters, digits"),
 ])
 def test_bad_input_submits_nothing_and_says_why_in_one_line(project, tmp_path, case, args, says):
@@ -129,7 +130,10 @@ def test_on_kubernetes_each_experiment_is_a_trainjob_of_its_own_valid_against_tr
     experiment's; the commit on the remote under the sweep's ref."""
     from tests.test_deploy import patched_pod, restricted_violations, trainjob_schema
 
-    made = sweep_cli(project, *UNTRACKED, "--on", "kubernetes", "--manifests-only", "-S", "train.lr=0.01,0.02",
+    on_cpu = ["-S", "train.device=cpu", "-S", "train.nproc=2"]
+    refused = sweep_cli(project, *UNTRACKED, "--on", "kubernetes", "--manifests-only", "-S", "train.lr=0.01,0.02")
+    assert refused.returncode == 1 and "a pod sees only the GPUs it asks for" in refused.stderr, refused.stderr
+    made = sweep_cli(project, *UNTRACKED, *on_cpu, "--on", "kubernetes", "--manifests-only", "-S", "train.lr=0.01,0.02",
                      "-S", "train.cpus_per_rank=1,3", "--name", "k8s")
     assert made.returncode == 0 and "written as TrainJobs: `kubectl apply -f" in made.stdout, made.stderr
     (folder,) = (project / ".sweeps").iterdir()
@@ -144,12 +148,13 @@ def test_on_kubernetes_each_experiment_is_a_trainjob_of_its_own_valid_against_tr
         assert yaml.safe_load((folder / f"{job['metadata']['name']}.yaml").read_text()) == job  # a rerun's file
         (task,) = [e["value"] for e in job["spec"]["trainer"]["env"] if e["name"] == "SWEEP_TASK"]
         tasks.append(json.loads(task))
-        assert job["spec"]["trainer"]["resourcesPerNode"]["requests"]["cpu"] == "3"  # the largest experiment's
+        asked = job["spec"]["trainer"]["resourcesPerNode"]  # the largest experiment's: 2 workers x 3 CPUs, 8 GB each
+        assert asked == {"requests": {"cpu": "6", "memory": "16384Mi"}, "limits": {"memory": "24576Mi"}}, asked
+        assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in job["spec"]["trainer"]["env"]  # no GPU asked
+    fixed = ["tracking.enabled=false", "train.device=cpu", "train.nproc=2"]
     assert [t["experiments"][0]["overrides"] for t in tasks] == [
-        ["tracking.enabled=false", "train.lr=0.01", "train.cpus_per_rank=1"],
-        ["tracking.enabled=false", "train.lr=0.01", "train.cpus_per_rank=3"],
-        ["tracking.enabled=false", "train.lr=0.02", "train.cpus_per_rank=1"],
-        ["tracking.enabled=false", "train.lr=0.02", "train.cpus_per_rank=3"]]
+        [*fixed, "train.lr=0.01", "train.cpus_per_rank=1"], [*fixed, "train.lr=0.01", "train.cpus_per_rank=3"],
+        [*fixed, "train.lr=0.02", "train.cpus_per_rank=1"], [*fixed, "train.lr=0.02", "train.cpus_per_rank=3"]]
     commit = run(["git", "rev-parse", "HEAD"], project).stdout.strip()
     assert {t["commit"] for t in tasks} == {commit}
     assert f"{commit}\trefs/sweeps/{folder.name}" in run(["git", "ls-remote", str(tmp_path / "remote.git")], tmp_path).stdout
@@ -166,6 +171,7 @@ def condition(kind: str, status: str) -> dict:
     ([condition("Created", "True"), condition("Complete", "True")], "done"),
     ([condition("Created", "True"), condition("Failed", "True")], "failed"),
     ([condition("Suspended", "False"), condition("Complete", "False")], "running"),
+    ([condition("Created", "False")], "failed"),  # its JobSet could not be made
 ])
 def test_a_trainjobs_state_from_the_conditions_trainer_sets(conditions, state):
     """Conditions as Trainer's CRD defines them (Suspended, Created, Complete, Failed: its

@@ -18,8 +18,8 @@ def test_a_trainjobs_pod_runs_its_experiment_and_pushes_it_to_the_remote(tmp_pat
     remote = tmp_path / "remote.git"
     run(["git", "init", "-q", "--bare", str(remote)], tmp_path)
     run(["git", "remote", "add", "origin", str(remote)], project)
-    made = run(["mnist-pipeline", "sweep", "--on", "kubernetes", "--manifests-only", "-S", "train.lr=0.01,0.005",
-                "--name", "pod"], project, PYTHONPATH=str(project))
+    made = run(["mnist-pipeline", "sweep", "--on", "kubernetes", "--manifests-only", "-S", "train.device=cpu",
+                "-S", "train.lr=0.01,0.005", "--name", "pod"], project, PYTHONPATH=str(project))
     (folder,) = (project / ".sweeps").iterdir()
     job = next(yaml.safe_load_all((folder / "trainjobs.yaml").read_text()))  # pod-1: train.lr=0.01
     trainer = job["spec"]["trainer"]
