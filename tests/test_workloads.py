@@ -46,7 +46,7 @@ class Mlp(Workload):
         return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, self.hidden), nn.ReLU(), nn.Linear(self.hidden, 10))
 
     def loss(self, outputs, targets):
-        return F.multi_margin_loss(outputs, targets, reduction="sum")
+        return F.multi_margin_loss(outputs, targets, reduction="none").sum()  # "sum" is garbage on an empty batch
 
     def metrics(self, outputs, targets):
         top2 = outputs.topk(2, dim=1).indices
@@ -103,6 +103,11 @@ class MeanLoss(Mlp):
 class Detached(Mlp):
     def loss(self, outputs, targets):
         return F.cross_entropy(outputs, targets, reduction="sum").detach()
+
+
+class NonzeroOnNothing(Mlp):
+    def loss(self, outputs, targets):  # what a garbage sum on an empty batch looks like, made certain
+        return F.cross_entropy(outputs, targets, reduction="sum") + (1.5 if len(targets) == 0 else 0.0)
 
 
 class Counted(Mlp):
@@ -176,6 +181,7 @@ def test_a_workload_that_cannot_work_is_refused_in_one_line_naming_what_is_wrong
     assert "its model failed on example_batch()'s inputs" in refusal("teamwork.WrongShape")
     assert "return the sum over the samples (reduction=\"sum\"), not their mean" in refusal("teamwork.MeanLoss")
     assert "loss() has no gradient to the model's weights" in refusal("teamwork.Detached")
+    assert "loss() on an empty batch is 1.5, not 0 (a sum over no samples)" in refusal("teamwork.NonzeroOnNothing")
     assert "metrics() named a score 'count'" in refusal("teamwork.Counted")
     assert "metrics() named a score 'speedup'" in refusal("teamwork.Fast")  # compare's, in metrics/<mode>.json
     assert "name the same scores for every batch" in refusal("teamwork.PresentOnly")

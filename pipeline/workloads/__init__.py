@@ -234,7 +234,12 @@ def check_workload(workload: Workload, config: WorkloadConfig, source: str = "pa
             once = _scalar(call(part, outputs, targets), f"{where}: {part}()")
             twice = _scalar(call(part, *doubled, on="its example batch twice over"), f"{where}: {part}()")
             _summed(once, twice, f"{where}: {part}()")
-            _scalar(call(part, empty, empty_targets, on="an empty batch"), f"{where}: {part}() on an empty batch")
+            nothing = _scalar(call(part, empty, empty_targets, on="an empty batch"), f"{where}: {part}() on an empty batch")
+            if nothing.item() != 0.0:  # a rank with an empty share adds it to every other rank's sum
+                raise ConfigError(
+                    f"{where}: {part}() on an empty batch is {nothing.item():g}, not 0 (a sum over no samples); some "
+                    "of torch's losses return uninitialised memory there with reduction='sum' (multi_margin_loss): "
+                    "take reduction='none' and .sum() it")
         once = call("metrics", outputs, targets)
         names = _scores(once, where)
         twice = call("metrics", *doubled, on="its example batch twice over")
