@@ -10,6 +10,7 @@ experiment is in, as plain functions.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import re
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ def apply(raw: dict, overrides: tuple[str, ...], source: str) -> dict:
     """params.yaml's mapping with each KEY=VALUE set (the value read as YAML, as DVC reads `-S`),
     checked as every stage checks params.yaml: a key it does not hold, or a value its type or rules
     refuse, is one line that names the override."""
-    merged = yaml.safe_load(yaml.safe_dump(raw))  # a deep copy
+    merged = copy.deepcopy(raw)
     for override in overrides:
         key, _, text = override.partition("=")
         *path, leaf = key.split(".")

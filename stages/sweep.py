@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,12 +79,12 @@ def remote_url(name: str) -> str:
 def check_tracking(configs) -> None:
     """Each experiment runs in a checkout on a node, deleted after its push: a store that is a
     file in that checkout would be deleted with it."""
-    from pipeline.tracking.store import check_store, shown, tracking_uri
+    from pipeline.tracking.store import check_store, is_local_file, shown, tracking_uri
 
     if not any(config.tracking.enabled for config in configs):
         return
     uri = tracking_uri()
-    if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
+    if is_local_file(uri):
         raise PipelineError(
             f"sweep: the tracking store is {shown(uri)}, a file, but each experiment runs in a checkout of its own on "
             "a node: set MLFLOW_TRACKING_URI to a tracking server the nodes reach, or tracking.enabled: false")
@@ -102,10 +103,10 @@ def resources(configs) -> list[str]:
     needs (they may sweep train.nproc, cpus_per_rank or mem_per_rank_gb); checked as every Slurm
     stage checks its job (sbatch here, the controller answers)."""
     gpus, cpus, megabytes = None, 0, 0
+    slurm.check_ready(configs[0], slurm.Job(slurm.ONE_PROCESS_SCRIPT, 1, configs[0].train.nproc or None))
     for config in configs:
         job = slurm.Job(slurm.ONE_PROCESS_SCRIPT, 1, config.train.nproc or None)
-        slurm.check_ready(config, job)
-        asked = slurm.gpus_asked(config, job)
+        asked = slurm.gpus_asked(config, job)  # each experiment's GPU request checked
         gpus = asked if gpus is None else max(gpus, asked or 0)
         cpus = max(cpus, int(slurm.cpu_request(config, job, asked)[1]))
         megabytes = max(megabytes, int(slurm.memory_request(config, job, asked)[1].removesuffix("M")))
@@ -370,7 +371,9 @@ def task(record_file: Path | None) -> None:
     started = {"state": "running", "job": job, "host": socket.gethostname(), "started": time.time()}
     write_state(state_file, started)
     scratch = Path(os.environ.get("SWEEP_SCRATCH") or os.environ.get("TMPDIR") or "/tmp")
-    checkout = scratch / f"mnist-sweep-{record['id']}-{name}"
+    # A new folder of this user's (0700), not a name another user of a shared /tmp could make first
+    # and fill: its code would run here.
+    checkout = Path(tempfile.mkdtemp(prefix=f"mnist-sweep-{record['id']}-{name}-", dir=scratch))
     # The checkout's own code, not what an editable install or PYTHONPATH points at (the submitting
     # workspace, which may have moved on since).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))}
@@ -379,7 +382,6 @@ def task(record_file: Path | None) -> None:
     signal.signal(signal.SIGTERM, _stop)  # scancel, or the job's time limit
     step, child = "clone", None
     try:
-        subprocess.run(["rm", "-rf", str(checkout)], check=True)
         outputs_to = None
         steps = [("clone", ["git", "clone", "-q", "--no-checkout", record["url"], str(checkout)], scratch),
                  ("fetch", ["git", "fetch", "-q", "origin", f"refs/sweeps/{record['id']}"], checkout),
@@ -401,7 +403,7 @@ def task(record_file: Path | None) -> None:
                 for ids in sorted((checkout / "models").glob("*/mlflow_run.json"))}
         write_state(state_file, {**started, "state": "done", "finished": time.time(),
                                 "runs": {mode: run for mode, run in runs.items() if run}, "dvc_remote": outputs_to})
-        subprocess.run(["rm", "-rf", str(checkout)])
+        shutil.rmtree(checkout, ignore_errors=True)
         click.echo(f"sweep {record['id']} {name}: done, pushed to origin ({record['url']})", err=True)
     except (PipelineError, _Stopped, OSError, subprocess.SubprocessError) as exc:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

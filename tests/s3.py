@@ -13,11 +13,11 @@ import secrets
 import socket
 import subprocess
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
 from tests.conftest import free_port, subprocess_env
+from tests.hosts import wait_until
 
 BUCKET = "mnist-team"
 
@@ -106,15 +106,17 @@ class S3Server:
         self.relay = Relay(self.port)
         self.relay.on()
         self.endpoint = f"http://127.0.0.1:{self.relay.port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/moto-api/", timeout=2)
-                break
-            except OSError:
-                assert self.proc.poll() is None and time.monotonic() < deadline, (home / "s3.log").read_text()
-                time.sleep(0.3)
+        wait_until(self._answers, "moto_server answering", timeout=60, interval=0.3,
+                   diagnose=lambda: (home / "s3.log").read_text())
         self.client().create_bucket(Bucket=BUCKET)
+
+    def _answers(self) -> bool:
+        assert self.proc.poll() is None, (self.home / "s3.log").read_text()
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{self.port}/moto-api/", timeout=2)
+            return True
+        except OSError:
+            return False
 
     @property
     def credentials(self) -> dict[str, str]:

@@ -9,11 +9,14 @@ from typing import TYPE_CHECKING
 
 from pipeline.config import TrackingConfig
 from pipeline.errors import PipelineError
-from pipeline.tracking.store import (HEALTH_TIMEOUT_S, bucket_error_code, bucket_status, reason, shown,
-                                     store_errors, tracking_uri)
+from pipeline.tracking.store import (HEALTH_TIMEOUT_S, bucket_error_code, bucket_status, is_local_file, reason,
+                                     shown, store_errors, tracking_uri)
 
 if TYPE_CHECKING:  # pipeline.parallel imports torch
     from pipeline.parallel import Rank
+
+
+_checked: set[str] = set()  # locations this process has written to: single's worker is the command's process
 
 
 def check_experiment(experiment_id: str) -> None:
@@ -33,7 +36,7 @@ def check_artifact_location(location: str) -> None:
     a bucket that is not there is found here, before training, not as an outage once it is over:
     a small object is written where the runs' files go, and removed. (A server that serves its
     artifacts, mlflow-artifacts:/, writes them with its own.)"""
-    if not location.startswith("s3://"):
+    if not location.startswith("s3://") or location in _checked:
         return
     import boto3
     import botocore.exceptions
@@ -68,6 +71,7 @@ def check_artifact_location(location: str) -> None:
     except botocore.exceptions.BotoCoreError as exc:  # no connection, a timeout, a TLS failure
         raise PipelineError(f"{where}: cannot reach {shown(endpoint or 'S3')} ({reason(exc)}); start it, or fix "
                             "MLFLOW_S3_ENDPOINT_URL (and MLFLOW_S3_IGNORE_TLS for a self-signed certificate)") from None
+    _checked.add(location)
     try:
         client.delete_object(Bucket=bucket, Key=key)
     except botocore.exceptions.ClientError:
@@ -92,11 +96,11 @@ def check_node_artifacts(rank: Rank, config: TrackingConfig) -> None:
     """preflight's artifact check, in each node's first worker: a training started where no
     `train` command ran it first (torchrun by hand, the TrainJob, a Slurm job) writes the bucket
     with each node's own credentials. An experiment not made yet is checked by whoever makes it."""
-    if rank.local_rank != 0:
+    uri = tracking_uri()
+    if rank.local_rank != 0 or is_local_file(uri):  # a store that is a file keeps its artifacts beside it
         return
     from mlflow import MlflowClient
 
-    uri = tracking_uri()
     with store_errors(uri, f"opening experiment {config.experiment!r}"):
         experiment = MlflowClient(uri).get_experiment_by_name(config.experiment)
     if experiment is not None:

@@ -339,6 +339,11 @@ def open_experiment(client, name: str, uri: str) -> str:
     return experiment.experiment_id
 
 
+def is_local_file(uri: str) -> bool:
+    """A store that is a file on this machine's disk (SQLite, or MLflow's file store)."""
+    return uri.startswith(("sqlite:", "file:")) or "://" not in uri
+
+
 def check_worker_store(rank: Rank) -> None:
     """In each DDP worker, before the process group: with ranks on several machines, a store that
     is a file on one machine's disk would split the runs across machines (each node its own
@@ -346,8 +351,7 @@ def check_worker_store(rank: Rank) -> None:
     from pipeline.parallel import nodes
 
     uri = tracking_uri()
-    local_file = uri.startswith(("sqlite:", "file:")) or "://" not in uri
-    if nodes(rank) > 1 and local_file:
+    if nodes(rank) > 1 and is_local_file(uri):
         raise PipelineError(
             f"rank {rank.rank}: the ranks run on {nodes(rank)} nodes, but the tracking store is {shown(uri)}, a file "
             "on each node's own disk. Set MLFLOW_TRACKING_URI on every node to one tracking server they all "
