@@ -20,9 +20,11 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # Ubuntu 23.04 and newer ship a user `ubuntu` with uid and gid 1000, the ids a host user usually
 # has: whoever holds them makes way for `trainer`, so files written into a mounted checkout are the
 # host user's.
+# g++ and Python's headers: train.compile's kernels (TorchInductor's C++ ones on the CPU, Triton's
+# launcher on GPUs) are built where they run.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv git ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev g++ git ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     # DVC refuses a repository owned by another uid: a mounted checkout usually is. Only the
     # workspace is trusted so: '*' would let any repository on a mounted volume run its hooks.

@@ -26,11 +26,13 @@ MODEL_FILE = "model.pt"
 # The workload (its class and arguments: the model, the loss) shapes it too.
 TRAJECTORY_KEYS = ("epochs", "batch_size", "optimizer", "schedule", "lr", "momentum", "weight_decay",
                    "max_grad_norm", "grad_accum_steps", "seed", "bf16", "fp16", "deterministic", "sync_batchnorm",
-                   "fsdp_sharding")
+                   "fsdp_sharding", "compile")
 # What a checkpoint saved before the optimizer, the schedule, clipping, accumulation, fp16 and
-# SyncBatchNorm (and fsdp's sharding, whose reductions sum in another order) were settings trained with.
+# SyncBatchNorm (and fsdp's sharding, whose reductions sum in another order, and torch.compile's
+# kernels, which round otherwise) were settings trained with.
 TRAJECTORY_BEFORE = {"optimizer": "adam", "schedule": "onecycle", "momentum": None, "max_grad_norm": 0.0,
-                     "grad_accum_steps": 1, "fp16": False, "sync_batchnorm": False, "fsdp_sharding": "full"}
+                     "grad_accum_steps": 1, "fp16": False, "sync_batchnorm": False, "fsdp_sharding": "full",
+                     "compile": False}
 
 
 def trajectory(config: TrainConfig, mode: str, workload: WorkloadConfig | None = None) -> dict[str, Any]:

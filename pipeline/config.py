@@ -125,6 +125,10 @@ class TrainConfig:
     # fsdp: "full" shards every parameter over all the ranks; "hybrid" shards within each node and
     # replicates across nodes (HSDP: a 2-D mesh), so only a gradient all-reduce crosses between nodes.
     fsdp_sharding: str = field(default="full", metadata=_rule(lambda v: v in FSDP_SHARDING, f"one of {FSDP_SHARDING}"))
+    # torch.compile (TorchInductor) the model each mode trains (pipeline.compiled): the first steps
+    # compile it, the rest run its generated kernels. They round otherwise than eager's: the modes
+    # agree within rounding, and runs and resumes repeat bit for bit. Needs a C/C++ compiler.
+    compile: bool = False
     # Deterministic algorithms (cuDNN, cuBLAS, torch): identical runs and resumes give the same
     # bits on GPUs too, at some speed there; the CPU's ops are deterministic either way.
     deterministic: bool = True

@@ -38,6 +38,7 @@ from pipeline.atomic import save_torch
 from pipeline.breakdown import Probe, timeline
 from pipeline import hostload
 from pipeline.checkpoint import CHECKPOINT_FILE, check_schedule_length, other_world, trajectory
+from pipeline.compiled import check_can_compile, compile_forwards, eager, graphs_compiled, uncompile
 from pipeline.config import TrainConfig, WorkloadConfig
 from pipeline.errors import PipelineError
 from pipeline.optim import build_optimizer, build_schedule
@@ -52,6 +53,7 @@ from pipeline.parallel import (
     gradient_sync_held,
     nodes,
     restarted,
+    shard_units,
     sharded,
     unwrap,
     wrap,
@@ -255,7 +257,14 @@ def build(config: TrainConfig, steps: int, device: torch.device, workload: Workl
 
 def wrap_for_mode(model: nn.Module, config: TrainConfig, device: torch.device, mode: str,
                   nodes: int = 1) -> nn.Module:
-    """`nodes`: the machines the ranks span, each a replica under train.fsdp_sharding: hybrid."""
+    """`nodes`: the machines the ranks span, each a replica under train.fsdp_sharding: hybrid.
+    train.compile compiles the wrapped module, in place (pipeline.compiled)."""
+    if config.compile:
+        # Checked by the stage before it changed anything; again here, on a Slurm node or in a pod.
+        check_can_compile(device.type, mode, dp_device_count(device) if mode == "dp" else 1)
+        # fsdp: each layer it gathers on its own, as torchtitan compiles each block (FSDP2's hooks
+        # stop Dynamo from compiling a module that holds them); the others: the whole network.
+        compile_forwards(shard_units(model) if mode == "fsdp" else [model], config.deterministic)
     # Autocast inside the module that DataParallel replicates (see pipeline.precision).
     return wrap(with_autocast(model, device, autocast_dtype(device, config.bf16, config.fp16)), mode, device,
                 sync_batchnorm=config.sync_batchnorm, replicas=nodes if config.fsdp_sharding == "hybrid" else 1)
@@ -561,8 +570,9 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
             train_sums, train_scores, step_sums = sums[:3], sums[3:3 + len(names)], sums[3 + len(names):].tolist()
             losses = losses.tolist()  # one copy per epoch
             check_finite(run.mode, epoch + 1, train_sums[0], losses, first_step, rank)
-            val = evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size, device, workload, names,
-                           val_batches)
+            with eager(config.compile):  # train.compile's graphs are for training (pipeline.compiled)
+                val = evaluate(unwrap(wrapped), val_split, val_indices, config.eval_batch_size, device, workload,
+                               names, val_batches)
             val_sums = dict(zip(val, all_sum(stacked(val, list(val), device), rank)))  # [loss, *names, count], as before
             epoch_time = time.perf_counter() - started + carried_s
             breakdown = probe.results()  # before the clock's totals, which clear its marks
@@ -643,6 +653,13 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
             for hook in run.epoch_hooks:
                 hook(metrics, rank_metrics)
             crash_if_asked(epoch + 1)
+    if config.compile:
+        uncompile(model)
+        said = f"{run.mode}: torch.compile (train.compile): {graphs_compiled()} graph(s) compiled on rank {rank.rank}"
+        if not graphs_compiled():  # trained, but eager: said, not hidden (TORCH_LOGS=graph_breaks says why)
+            log.warning("%s: the model ran eager; TORCH_LOGS=graph_breaks shows why", said)
+        elif rank.is_main:
+            log.info("%s", said)
     if run.mode == "fsdp":  # what the stage saves and logs (rank 0): the whole model, on the CPU
         weights = full_state_dict(model)
         if rank.is_main:

@@ -50,6 +50,8 @@ MECHANISMS = [
     ("DDP over NCCL, uneven shares, float32 without TF32", "test_ddp_on_every_gpu_agrees_with_single"),
     ("fsdp over NCCL: ddp's weights, 1/W of its state, the allocator peak per rank",
      "test_fsdp_on_every_gpu_agrees_with_ddp_and_reports_the_allocator_peak"),
+    ("train.compile: Triton's kernels; compiled ddp over NCCL agrees with compiled single",
+     "test_compiled_ddp_on_every_gpu_agrees_with_compiled_single"),
     ("DataParallel's scatter, replicas and gather over every GPU", "test_dataparallel_over_every_gpu_agrees_with_single"),
     ("the timeline: a lane for each GPU's kernels", "test_dataparallel_over_every_gpu_agrees_with_single"),
     ("a dropout stream per DataParallel replica (each GPU's generator)", "test_dataparallel_replicas_draw_dropout_masks_of_their_own"),

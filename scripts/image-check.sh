@@ -197,6 +197,18 @@ crun "${mounted[@]}" "$ctr" -- entrypoint mnist-pipeline train --mode ddp 2>&1 |
 no_gloo_fallback "$work/ddp.out"
 test "$(stat -c %u "$checkout/models/ddp/model.pt")" = 1000
 
+step "train.compile in the image: docker run ... mnist-pipeline train --mode ddp --params compile.yaml"
+"$root/.venv/bin/python" - "$checkout/params.yaml" "$checkout/compile.yaml" <<'PY'
+import sys, yaml
+params = yaml.safe_load(open(sys.argv[1]))
+params["train"]["compile"] = True
+yaml.safe_dump(params, open(sys.argv[2], "w"), sort_keys=False)
+PY
+chown 1000:1000 "$checkout/compile.yaml"
+crun "${mounted[@]}" "$ctr" -- entrypoint mnist-pipeline train --mode ddp --params compile.yaml 2>&1 \
+    | tee "$work/compile.out"
+grep -Eq "ddp: torch.compile \(train.compile\): [1-9][0-9]* graph\(s\) compiled" "$work/compile.out"
+
 step "MLflow on the host: docker run --network host -e MLFLOW_TRACKING_URI=http://127.0.0.1:PORT ... train --mode single"
 port=$("$root/.venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 rm -rf "$work/mlflow" && mkdir -p "$work/mlflow"

@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 import torch
 
-from pipeline import checkpoint, gpus, parallel, record, workloads
+from pipeline import checkpoint, compiled, gpus, parallel, record, workloads
 from pipeline.runtime import forkserver, lockfile
 from pipeline.atomic import in_the_way, save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, resume_state, trajectory
@@ -218,6 +218,8 @@ def run_worker(config: Config, params_text: str, mode: str, data_dir: Path, resu
                      "for validation, a rank", mode, data_dir, config.train.loader_workers)
         if config.train.fp16:
             log.info("%s: fp16 autocast with a loss scaler (train.fp16, in place of train.bf16)", mode)
+        if config.train.compile:
+            log.info("%s: torch.compile (train.compile): the first step compiles the model", mode)
 
         params = {**flatten(config), "world_size": rank.world_size,
                   "batch_shares": batch_shares_label(config.train.batch_size, mode, rank, device)}
@@ -409,6 +411,9 @@ def check_can_start(config: Config, mode: str, data_dir: Path) -> None:
     else:
         gpus.gpus_as_wanted(config.train.device)  # train.device: cuda without a GPU fails here
     parallel.check_every_mode(config.train, mode)
+    if config.train.compile and slurm.launcher(config) == "local":  # a Slurm node checks its own
+        on_gpus = gpus.gpus_as_wanted(config.train.device)
+        compiled.check_can_compile("cuda" if on_gpus else "cpu", mode, gpus.cuda_device_count() if on_gpus else 1)
     if parallel.distributed(mode):
         # Fail here, before any worker starts, on what would fail in every worker.
         workers, nodes = parallel.ddp_layout(config.train)

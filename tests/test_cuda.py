@@ -2,6 +2,7 @@
 them on any CUDA host, then the default pipeline, and prints one summary table."""
 
 import json
+import re
 import threading
 import time
 
@@ -165,6 +166,21 @@ def test_ddp_on_every_gpu_agrees_with_single(gpu_project):
     difference = relative_difference(load_weights(gpu_project, "single"), load_weights(gpu_project, "ddp"))
     print(f"relative |single - ddp| after 20 steps in float32 on {count} GPUs "
           f"({summary['batch_shares']}): {difference:.2e}")
+    assert difference < FP32_RELATIVE_TOLERANCE
+
+
+def test_compiled_ddp_on_every_gpu_agrees_with_compiled_single(tmp_path, mnist_dir):
+    """train.compile on GPUs: Triton's kernels, built with this host's C compiler; compiled ddp over
+    NCCL trains what compiled single trains, in float32 (the CPU's check: tests/test_compile.py)."""
+    project = make_project(tmp_path / "proj", {**SMALL, "train": {**SMALL["train"], "batch_size": 100, "nproc": 0,
+                                                                   "bf16": False, "compile": True}})
+    prepare(project, mnist_dir)
+    for mode in ("single", "ddp"):
+        result = train_cli(project, mode)
+        said = result.stdout + result.stderr
+        assert re.search(rf"{mode}: torch.compile \(train.compile\): [1-9]\d* graph\(s\) compiled", said), said[-2000:]
+    difference = relative_difference(load_weights(project, "single"), load_weights(project, "ddp"))
+    print(f"relative |single - ddp|, compiled, on {torch.cuda.device_count()} GPU(s): {difference:.2e}")
     assert difference < FP32_RELATIVE_TOLERANCE
 
 

@@ -9,6 +9,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -429,6 +430,25 @@ def test_a_setting_only_ddp_cannot_use_fails_the_first_mode(project):
     result = train_cli(project, "single", "--params", "params-tiny-batch.yaml", check=False)
     assert_refused_and_untouched(project, "single", before, result,
                                  "ddp (in train.modes): train.batch_size = 2 is smaller than the 3 DDP ranks")
+
+
+def test_a_compile_this_machine_cannot_build_is_refused_before_the_disk_changes(project):
+    """train.compile without the C++ compiler TorchInductor builds its CPU kernels with: one line at
+    the start, not a compiler error from the first step of every rank. With it, the stage trains
+    compiled and logs its model as any (dp on a CPU: the bare module, compiled whole)."""
+    before = plant_previous_training(project, "dp")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["train"]["compile"] = True
+    (project / "params-compile.yaml").write_text(yaml.safe_dump(params))
+    result = train_cli(project, "dp", "--params", "params-compile.yaml", check=False, CXX="no-such-compiler")
+    assert_refused_and_untouched(project, "dp", before, result,
+                                 "train.compile is true, but this machine has no C++ compiler 'no-such-compiler'")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+    result = train_cli(project, "dp", "--params", "params-compile.yaml")
+    assert re.search(r"dp: torch.compile \(train.compile\): [1-9]\d* graph\(s\) compiled on rank 0",
+                     result.stdout + result.stderr), result.stderr[-3000:]
+    assert json.loads((project / "models/dp/mlflow_run.json").read_text())
 
 
 @pytest.mark.parametrize("content, said", [
