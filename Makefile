@@ -38,7 +38,8 @@ lock: install
 run: install
 	dvc repro
 
-# DDP at 1 to 2x the cores (or the GPUs) ranks on this host: scaling/report/ and an MLflow run.
+# ddp (and fsdp, where train.modes has it) at 1 to 2x the cores (or the GPUs) ranks on this host:
+# scaling/report/ and an MLflow run. ARGS="--world-sizes 1,2,4 --modes ddp,fsdp" chooses.
 scaling: install
 	dvc repro prepare commcheck
 	mnist-pipeline scaling $(ARGS)
