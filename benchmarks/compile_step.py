@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_overhead import copy_project  # noqa: E402
+from pipeline_overhead import prepared_copy  # noqa: E402
 
 
 def train(project: Path, mode: str, compiled: bool) -> dict:
@@ -50,18 +49,9 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--train-limit", type=int, default=12000, help="data.train_limit: images an epoch")
     args = parser.parse_args()
-    if os.environ.get("MNIST_SOURCE"):  # read from the copy's folder: a relative path would miss
-        os.environ["MNIST_SOURCE"] = str(Path(os.environ["MNIST_SOURCE"]).resolve())
     with tempfile.TemporaryDirectory(prefix="compile-bench-") as tmp:
-        project = copy_project(Path(tmp))
-        params = yaml.safe_load((project / "params.yaml").read_text())
-        params["data"]["train_limit"] = args.train_limit
-        params["workload"]["init_args"]["model"] = args.model
-        params["train"].update({"modes": args.modes, "nproc": args.nproc, "epochs": 1})
-        params["tracking"]["enabled"] = False
-        (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-        subprocess.run(["mnist-pipeline", "prepare"], cwd=project, check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["mnist-pipeline", "commcheck"], cwd=project, check=True, stdout=subprocess.DEVNULL)
+        project = prepared_copy(Path(tmp), args.train_limit, {"modes": args.modes, "nproc": args.nproc, "epochs": 1},
+                                {"model": args.model})
         runs = {(mode, compiled): [] for mode in args.modes for compiled in (False, True)}
         for repeat in range(args.repeats):
             for mode in args.modes:

@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pipeline_overhead import copy_project  # noqa: E402
+from pipeline_overhead import prepared_copy  # noqa: E402
 
 from pipeline import scaling  # noqa: E402
 
@@ -69,17 +66,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--train-limit", type=int, default=12000, help="data.train_limit: images an epoch")
     args = parser.parse_args()
-    if os.environ.get("MNIST_SOURCE"):  # read from the copy's folder: a relative path would miss
-        os.environ["MNIST_SOURCE"] = str(Path(os.environ["MNIST_SOURCE"]).resolve())
     with tempfile.TemporaryDirectory(prefix="fsdp-bench-") as tmp:
-        project = copy_project(Path(tmp))
-        params = yaml.safe_load((project / "params.yaml").read_text())
-        params["data"]["train_limit"] = args.train_limit
-        params["train"].update({"modes": list(MODES), "nproc": args.nproc, "epochs": 1})
-        params["tracking"]["enabled"] = False
-        (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-        subprocess.run(["mnist-pipeline", "prepare"], cwd=project, check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["mnist-pipeline", "commcheck"], cwd=project, check=True, stdout=subprocess.DEVNULL)
+        project = prepared_copy(Path(tmp), args.train_limit, {"modes": list(MODES), "nproc": args.nproc, "epochs": 1})
         runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
         for repeat in range(args.repeats):
             for mode in MODES if repeat % 2 == 0 else MODES[::-1]:  # alternating: a drift hits both

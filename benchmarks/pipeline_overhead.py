@@ -76,6 +76,26 @@ def copy_project(dest: Path, rev: str | None = None) -> Path:
     return dest
 
 
+def prepared_copy(dest: Path, train_limit: int, train: dict, workload_args: dict | None = None) -> Path:
+    """copy_project with params.yaml's settings but `train_limit` images, `train`'s and the
+    workload's `workload_args` changes and tracking off, prepared and commchecked (the link the
+    scaling model predicts from), as `dvc repro` would before its trainings."""
+    import yaml
+
+    if os.environ.get("MNIST_SOURCE"):  # read from the copy's folder: a relative path would miss
+        os.environ["MNIST_SOURCE"] = str(Path(os.environ["MNIST_SOURCE"]).resolve())
+    project = copy_project(dest)
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["data"]["train_limit"] = train_limit
+    params["workload"]["init_args"].update(workload_args or {})
+    params["train"].update(train)
+    params["tracking"]["enabled"] = False
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    for stage in ("prepare", "commcheck"):
+        subprocess.run(["mnist-pipeline", stage], cwd=project, check=True, stdout=subprocess.DEVNULL)
+    return project
+
+
 GOAL_UNITS = 12
 # Stands in for `mnist-pipeline` on PATH: notes when each command starts and ends (DVC runs every
 # stage's command through a shell, so this is the command as DVC starts it). It runs the copy's own

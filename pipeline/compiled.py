@@ -112,11 +112,16 @@ def graphs_compiled() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def no_cuda_runtime_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("No CUDA runtime is found")
+
+
 def quiet_cpp_extension() -> None:
     """Inductor asks torch.utils.cpp_extension where CUDA is, which on a host without a GPU warns on
     every rank that it found no CUDA runtime: true, and nothing compiled there needs one."""
-    logging.getLogger("torch.utils.cpp_extension").addFilter(
-        lambda record: not record.getMessage().startswith("No CUDA runtime is found"))
+    cpp_extension = logging.getLogger("torch.utils.cpp_extension")
+    if no_cuda_runtime_warning not in cpp_extension.filters:
+        cpp_extension.addFilter(no_cuda_runtime_warning)
 
 
 def eager(compiled: bool):

@@ -79,7 +79,7 @@ def curve(runs: dict[int, dict], link: scaling.Link | None, cores: int, devices:
     all of one mode."""
     sizes = sorted(runs)
     base = runs[sizes[0]]
-    device, mode = base["device"], base.get("mode", "ddp")
+    device, mode = base["device"], base["mode"]
     collectives = fsdp_collectives(runs) if mode == "fsdp" else None
     base_steps, base_windows = spread.step_series(base), spread.windows_of(base)
     base_predicted = predicted_step_s(base, link, sizes[0], device, devices, collectives)

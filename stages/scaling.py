@@ -18,7 +18,7 @@ import yaml
 from pipeline import scaling_curve
 from pipeline.scaling import Link, measured_link
 from pipeline.atomic import atomic_dir, check_replaceable, read_json, write_text
-from pipeline.config import load_config
+from pipeline.config import DISTRIBUTED, load_config
 from pipeline.errors import PipelineError
 from pipeline.report import interval_text
 from pipeline.tracking.after_training import log_scaling_run
@@ -70,16 +70,13 @@ def commcheck_link(path: Path, device: str) -> Link | None:
                                   "sweep": [r for r in facts.get("sweep", []) if r["primitive"] == "all_reduce"]})
 
 
-# The modes a curve is drawn for: those whose ranks divide the batch (single and dp have no ranks).
-SCALED = ("ddp", "fsdp")
-
-
 def parse_modes(_ctx, _param, value: str | None) -> list[str] | None:
+    """The modes a curve is drawn for: those with ranks (single and dp have none)."""
     if value is None:
         return None
     modes = list(dict.fromkeys(part.strip() for part in value.split(",") if part.strip()))
-    if not modes or not set(modes) <= set(SCALED):
-        raise click.BadParameter(f"{value!r}: give modes from {', '.join(SCALED)}, e.g. ddp,fsdp")
+    if not modes or not set(modes) <= set(DISTRIBUTED):
+        raise click.BadParameter(f"{value!r}: give modes from {', '.join(DISTRIBUTED)}, e.g. ddp,fsdp")
     return modes
 
 
