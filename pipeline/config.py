@@ -119,8 +119,9 @@ class TrainConfig:
     # bf16 (V100, T4). On the CPU it trains, slowly; it is there to be tested.
     fp16: bool = False
     channels_last: bool = True
-    # ddp: the model's BatchNorm layers as torch's SyncBatchNorm, normalising by the global batch's
-    # statistics, as one device does (docs/workloads.md). GPUs only: torch's has no CPU kernel.
+    # ddp: the model's BatchNorm layers as SyncBatchNorm, normalising by the global batch's
+    # statistics, as one device does (docs/workloads.md): torch's on GPUs, pipeline.gloo_batchnorm's
+    # on the CPU, where torch's has no kernel.
     sync_batchnorm: bool = False
     # fsdp: "full" shards every parameter over all the ranks; "hybrid" shards within each node and
     # replicates across nodes (HSDP: a 2-D mesh), so only a gradient all-reduce crosses between nodes.

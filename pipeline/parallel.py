@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipeline import gpus
+from pipeline import gloo_batchnorm, gpus
 from pipeline.runtime import forkserver
 from pipeline.config import DISTRIBUTED, distributed  # noqa: F401 (distributed: the modes' test, here too)
 from pipeline.errors import ConfigError, PipelineError
@@ -232,18 +232,6 @@ def check_distributed(train, mode: str) -> None:
         raise ConfigError("train.sync_batchnorm is true with train.grad_accum_steps = "
                           f"{train.grad_accum_steps}: SyncBatchNorm needs every rank to run as many micro-batches, "
                           "which a short last batch does not give; set one of them back")
-    # Here, the devices this host has; a Slurm job's node checks its own (pipeline.parallel.wrap).
-    if train.launcher == "local":
-        check_sync_batchnorm("cuda" if gpus.gpus_as_wanted(train.device) else "cpu")
-
-
-def check_sync_batchnorm(device_type: str) -> None:
-    """train.sync_batchnorm under ddp needs GPUs: torch's SyncBatchNorm refuses CPU tensors (its
-    kernels are CUDA's), which would fail the first step of every rank."""
-    if device_type != "cuda":
-        raise ConfigError("train.sync_batchnorm is true, but ddp trains on the CPU here, where torch's SyncBatchNorm "
-                          "does not run: set it false (each rank then normalises its own share of the batch), or train "
-                          "on GPUs")
 
 
 def batch_shares(batch: int, world_size: int) -> list[int]:
@@ -316,7 +304,8 @@ def wrap(model: nn.Module, mode: str, device: torch.device, sync_batchnorm: bool
          replicas: int = 1) -> nn.Module:
     """The model as each mode trains it; `unwrap` gives back the module that holds the weights.
     `sync_batchnorm` (ddp): its BatchNorm layers become SyncBatchNorm, in place, with the same
-    parameters and buffers (the optimizer's, the checkpoint's), before DDP wraps it. fsdp shards
+    parameters and buffers (the optimizer's, the checkpoint's), before DDP wraps it: torch's on
+    GPUs, pipeline.gloo_batchnorm's on the CPU, where torch's does not run. fsdp shards
     the model in place (`shard`, over `replicas` groups of ranks): its parameters are new ones, so
     the optimizer is built after."""
     if mode == "dp":
@@ -326,10 +315,9 @@ def wrap(model: nn.Module, mode: str, device: torch.device, sync_batchnorm: bool
         return nn.DataParallel(model)
     if mode == "ddp":
         if sync_batchnorm:
-            check_sync_batchnorm(device.type)
             if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
                 log.warning("ddp: train.sync_batchnorm is true, but the model has no BatchNorm layer to sync")
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            model = gloo_batchnorm.convert(model, device)
         device_ids = [device.index] if device.type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     if mode == "fsdp":

@@ -166,6 +166,18 @@ def modes_csv(results: list[ModeResult], curve: str, columns: tuple[str, ...]) -
     return "\n".join(lines) + "\n"
 
 
+def val_scores_csv(results: list[ModeResult]) -> str:
+    """Every mode's validation scores per epoch in one long table (epoch, mode, metric, value), for
+    DVC's chart of them, a panel per metric whatever the workload names its metrics (MNIST:
+    accuracy); the loss where the workload has none."""
+    lines = ["epoch,mode,metric,value"]
+    for r in results:
+        for row in r.curves:
+            names = [key for key in row if key.startswith("val_") and key != "val_loss"] or ["val_loss"]
+            lines += [f"{int(row['epoch'])},{r.mode},{name[len('val_'):]},{row[name]!r}" for name in names]
+    return "\n".join(lines) + "\n"
+
+
 def mode_metrics(row: dict) -> dict:
     """metrics/<mode>.json: what `dvc metrics show` and `dvc exp show` compare, the test set's
     accuracy and loss first; numbers only (the mode's facts are in results/, its curves in plots/)."""
@@ -197,27 +209,35 @@ def interval_text(interval: spread.Interval | None, pattern: str, unit: str = ""
     return f"{value} ({format(interval.low * scale, pattern)}-{format(interval.high * scale, pattern)})"
 
 
-def quality(row: dict) -> tuple[str, str]:
-    """A mode's headline test score: a classifier's accuracy, else its workload's first metric, else
-    its loss, as (column title, value)."""
-    if row["test_accuracy"] is not None:
-        return "test accuracy", f"{row['test_accuracy']:.2%}"
-    if row["test_scores"]:
-        name = next(iter(row["test_scores"]))
-        return f"test {name}", f"{row['test_scores'][name]:.4g}"
-    return "test loss", _fmt(row["test_loss"], ".4f")
+def score_names(rows: list[dict]) -> list[str]:
+    """The test set's scores the tables show: a classifier's accuracy, then every other metric its
+    workload's evaluation gave, in that order; else the loss."""
+    names = ["accuracy"] if any(row["test_accuracy"] is not None for row in rows) else []
+    for row in rows:
+        names += [name for name in row["test_scores"] if name not in names]
+    return names or ["loss"]
+
+
+def score_cell(row: dict, name: str) -> str:
+    if name == "accuracy":
+        return "n/a" if row["test_accuracy"] is None else f"{row['test_accuracy']:.2%}"
+    if name == "loss":
+        return _fmt(row["test_loss"], ".4f")
+    return _fmt(row["test_scores"].get(name), ".4g")
 
 
 def console_table(rows: list[dict]) -> str:
     """The comparison in a terminal's width: what `dvc repro` ends with."""
-    title = quality(rows[0])[0] if rows else "test accuracy"
-    width = max(13, len(title))
-    lines = [f"{'mode':<7} {title:>{width}} {'samples/s':>10} {'step ms (95%)':>20} {'speed-up (95%)':>20} "
+    names = score_names(rows)
+    widths = [max(13, len(f"test {name}")) for name in names]
+    scores = "".join(f" {f'test {name}':>{width}}" for name, width in zip(names, widths))
+    lines = [f"{'mode':<7}{scores} {'samples/s':>10} {'step ms (95%)':>20} {'speed-up (95%)':>20} "
              f"{'training time':>14}"]
     for r in rows:
         speedup = r["speedup_interval"] or (spread.Interval(r["speedup"], r["speedup"], r["speedup"])
                                             if r["speedup"] is not None else None)
-        lines.append(f"{r['mode']:<7} {quality(r)[1]:>{width}} {r[r['throughput']]:>10,.0f} "
+        scores = "".join(f" {score_cell(r, name):>{width}}" for name, width in zip(names, widths))
+        lines.append(f"{r['mode']:<7}{scores} {r[r['throughput']]:>10,.0f} "
                      f"{interval_text(r['step'], '.2f', scale=1000):>20} {interval_text(speedup, '.2f', 'x'):>20} "
                      f"{r['train_time_s']:>12.1f} s")
     return "\n".join(lines)
@@ -235,14 +255,15 @@ def _fmt(value, pattern: str) -> str:
 
 
 def markdown(rows: list[dict], results: list[ModeResult]) -> str:
+    names = score_names(rows)
     lines = [
         "# Data-parallel modes compared",
         "",
         "| mode | world size (nodes × processes) | batch per rank or GPU | device | epochs | samples/s "
         "| samples/s after warm-up | step (ms, 95% interval) | speed-up over single | scaling efficiency "
-        f"| training time (s) | weights, gradients, optimizer state per rank (MiB; on GPUs, the allocator's peak) "
-        f"| {quality(rows[0])[0] if rows else 'test accuracy'} |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| training time (s) | weights, gradients, optimizer state per rank (MiB; on GPUs, the allocator's peak) | "
+        + " | ".join(f"test {name}" for name in names) + " |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(names),
     ]
     for row in rows:
         world = f"{row['world_size']} ({row['layout']})" if row["layout"] else str(row["world_size"])
@@ -255,7 +276,7 @@ def markdown(rows: list[dict], results: list[ModeResult]) -> str:
             f"{row['samples_per_s']:,.0f} | {_fmt(row['steady_samples_per_s'], ',.0f')} | "
             f"{interval_text(row['step'], '.2f', scale=1000)} | {interval_text(speedup, '.2f', 'x')} | "
             f"{interval_text(efficiency, '.0f', '%', scale=100)} | {row['train_time_s']:.1f} | "
-            f"{state_cell(row)} | {quality(row)[1]} |"
+            f"{state_cell(row)} | " + " | ".join(score_cell(row, name) for name in names) + " |"
         )
     first = rows[0] if rows else None
     if first and first["speedup_from"] == "median_step":
@@ -324,6 +345,11 @@ def throughput_png(rows: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+# Each mode's line in loss.png, the same whichever modes trained.
+LOSS_STYLES = {"single": ("-", "tab:blue"), "dp": ("--", "tab:orange"), "ddp": (":", "tab:green"),
+               "fsdp": ("-.", "tab:red")}
+
+
 def loss_png(results: list[ModeResult], path: Path) -> None:
     """The training loss per window of steps, every mode on one chart, with each epoch's validation
     loss as points: a curve with a shape even for one epoch, on an axis from zero, so that modes a
@@ -331,7 +357,8 @@ def loss_png(results: list[ModeResult], path: Path) -> None:
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(6, 4))
     # Equivalent modes draw the same curve: distinct dashes keep every line visible.
-    for r, style, colour in zip(results, ("-", "--", ":", "-."), ("tab:blue", "tab:orange", "tab:green")):
+    for r in results:
+        style, colour = LOSS_STYLES[r.mode]
         axes.plot([s["step"] for s in r.steps], [s["train_loss"] for s in r.steps], style, color=colour,
                   label=f"{r.mode}: training")
         steps_per_epoch = max(s["step"] for s in r.steps) / max(c["epoch"] for c in r.curves) if r.steps else 1

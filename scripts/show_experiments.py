@@ -3,9 +3,9 @@
 `dvc exp show` lists every param and metric (one column per mode and key, far wider than a
 terminal); this reads its JSON and keeps six params that shape a training, every other param whose
 value differs between the rows shown (what a sweep swept: `-S train.weight_decay=...` gets a
-column), and the numbers that answer "which mode, and what did it buy" (its test score: accuracy,
-or the workload's own metric; the speed-up with its 95% interval, and how many things compare
-warned of). `make show ARGS=-A` passes arguments to it.
+column), and the numbers that answer "which mode, and what did it buy" (its test scores: a column
+for each metric the workload's evaluation gave, accuracy first, else its loss; the speed-up with its
+95% interval, and how many things compare warned of). `make show ARGS=-A` passes arguments to it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import unicodedata
 
-MODES = ("single", "dp", "ddp")  # pipeline.config's order; this script runs without the package
+MODES = ("single", "dp", "ddp", "fsdp")  # pipeline.config's order; this script runs without the package
 PARAMS = ("workload.init_args.model", "train.epochs", "train.batch_size", "train.lr", "train.nproc", "train.device")
 COLUMNS = (("samples_per_s", "samples/s", "{:,.0f}"),
            ("speedup", "speed-up (95%)", "{:.2f}x"), ("train_time_s", "train time", "{:.1f} s"),
@@ -26,14 +26,21 @@ OWN = {"accuracy", "loss", "val_accuracy", "val_loss", "samples_per_s", "train_t
        *(f"{key}{end}" for key in ("speedup", "scaling_efficiency", "step_ms") for end in ("", "_low", "_high"))}
 
 
-def score(numbers: dict) -> str:
-    """A mode's test score, as compare heads its table: a classifier's accuracy, else the workload's
-    alphabetically first metric, by name, else its loss."""
-    if isinstance(numbers.get("accuracy"), (int, float)):
-        return f"{numbers['accuracy']:.2%}"
-    names = sorted(key for key, value in numbers.items() if key not in OWN and isinstance(value, (int, float)))
-    name = names[0] if names else "loss"
-    return f"{name} {numbers[name]:.4g}" if isinstance(numbers.get(name), (int, float)) else "-"
+def scores(metrics: list[dict]) -> list[str]:
+    """The test scores a table of these modes' metrics shows: every number the workloads'
+    evaluations gave (accuracy first, the others by name), else the loss."""
+    names = {key for numbers in metrics for key, value in numbers.items()
+             if key not in OWN and isinstance(value, (int, float))}
+    if any(isinstance(numbers.get("accuracy"), (int, float)) for numbers in metrics):
+        names.add("accuracy")
+    return sorted(names, key=lambda name: (name != "accuracy", name)) or ["loss"]
+
+
+def score(numbers: dict, name: str) -> str:
+    value = numbers.get(name)
+    if not isinstance(value, (int, float)):
+        return "-"
+    return f"{value:.2%}" if name == "accuracy" else f"{value:.4g}"
 
 
 def cell(numbers: dict, key: str, fmt: str) -> str:
@@ -108,19 +115,25 @@ def padded(text: str, width: int, right: bool) -> str:
     return fill + text if right else text + fill
 
 
+def by_mode(entry: dict) -> list[tuple[str, dict]]:
+    """An entry's modes in pipeline.config's order, with their numbers: metrics/<mode>.json only
+    (revisions from before it had other files: metrics/train/...)."""
+    found = {path[len("metrics/"):-len(".json")]: numbers for path, numbers in entry["metrics"].items()
+             if path in {f"metrics/{mode}.json" for mode in MODES}}
+    return sorted(found.items(), key=lambda item: MODES.index(item[0]))
+
+
 def table(found: list[dict]) -> str:
     shown = shown_params(found)
-    header = ["experiment", *(label(p) for p in shown), "mode", "test score", *(title for _, title, _ in COLUMNS)]
+    names = scores([numbers for entry in found for _, numbers in by_mode(entry)])
+    header = ["experiment", *(label(p) for p in shown), "mode", *(f"test {name}" for name in names),
+              *(title for _, title, _ in COLUMNS)]
     lines = []
     for entry in found:
-        # metrics/<mode>.json only: revisions from before it had other files (metrics/train/...).
-        by_mode = {path[len("metrics/"):-len(".json")]: numbers for path, numbers in entry["metrics"].items()
-                   if path in {f"metrics/{mode}.json" for mode in MODES}}
-        modes = sorted(by_mode.items(), key=lambda item: MODES.index(item[0]))
         settings = [param(entry["params"], p) for p in shown]
-        for i, (mode, numbers) in enumerate(modes or [("-", {})]):
+        for i, (mode, numbers) in enumerate(by_mode(entry) or [("-", {})]):
             cells = [entry["name"] if i == 0 else "", *(settings if i == 0 else [""] * len(settings)), mode]
-            cells += [score(numbers), *(cell(numbers, key, fmt) for key, _, fmt in COLUMNS)]
+            cells += [*(score(numbers, name) for name in names), *(cell(numbers, key, fmt) for key, _, fmt in COLUMNS)]
             lines.append(cells)
     widths = [max(display_width(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
     text = [" ".join(padded(str(cell), w, right=i > len(shown) + 1)

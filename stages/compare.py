@@ -10,13 +10,14 @@ from pipeline.atomic import atomic_dir, check_replaceable, read_json, write_json
 from pipeline.config import MODES, load_config
 from pipeline.errors import PipelineError
 from pipeline.report import (ModeResult, comparison_rows, console_table, loss_png, markdown, mode_metrics, modes_csv,
-                             read_curves, throughput_png, warnings)
+                             read_curves, throughput_png, val_scores_csv, warnings)
 from pipeline.tracking.after_training import log_compare_run, log_to_mode_run
 from pipeline.tracking.links import compare_link, ui_link
 from pipeline.tracking.store import check_store, tracking_uri
 from stages.common import params_option, read_run_ids
 
-REPORT_FILES = ("comparison.md", "throughput.png", "loss.png", "timeline.png", "scaling.json", "steps.csv", "epochs.csv")
+REPORT_FILES = ("comparison.md", "throughput.png", "loss.png", "timeline.png", "scaling.json", "steps.csv", "epochs.csv",
+                "val_scores.csv")
 METRICS_DIR = Path("metrics")
 
 
@@ -89,6 +90,7 @@ def compare(params_path: str, out: str) -> None:
         # Every mode's curves in one file each, for DVC's charts (dvc.yaml's plots).
         (tmp / "steps.csv").write_text(modes_csv(results, "steps", ("step", "epoch", "train_loss")))
         (tmp / "epochs.csv").write_text(modes_csv(results, "curves", ("epoch", *epoch_columns(results))))
+        (tmp / "val_scores.csv").write_text(val_scores_csv(results))
     # File by file, with no marker beside them: DVC reads every file in the folder as a metric.
     for mode in MODES:
         if mode not in config.train.modes:

@@ -275,7 +275,7 @@ def test_plots_show_draws_every_mode_offline(repro, tmp_path):
     result = run(["dvc", "plots", "show", "--json"], project, **env)
     shown = json.loads(result.stdout)
     assert shown.get("errors") is None
-    for name in ("reports/steps.csv", "Validation loss, per epoch", "Validation accuracy, per epoch",
+    for name in ("reports/steps.csv", "Validation loss, per epoch", "reports/val_scores.csv",
                  *(f"plots/confusion/{mode}.png" for mode in MODES), "reports/loss.png", "reports/throughput.png"):
         assert name in shown["data"], name
     run(["dvc", "plots", "show", "-o", str(tmp_path / "html")], project, **env)

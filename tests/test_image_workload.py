@@ -19,7 +19,7 @@ from pipeline.config import DataConfig, WorkloadConfig
 from pipeline.errors import ConfigError, DataError
 from pipeline.loop import DeviceSplit, Training, settle_gradient_buckets, train
 from pipeline.mnist import read_split
-from pipeline.parallel import Rank, check_every_mode, wrap
+from pipeline.parallel import Rank, check_every_mode
 from pipeline.workloads import check_workload, load_workload
 from pipeline.workloads.images import ImageFolderClassifier
 from tests.conftest import SMALL, load_weights, make_project, project_env, relative_difference, run, train_cli
@@ -149,11 +149,6 @@ def test_a_folder_of_images_is_prepared_trained_augmented_and_evaluated_by_the_s
     assert in_memory.returncode == 1 and AUGMENTED_IN_MEMORY in in_memory.stderr, in_memory.stderr
     assert "Traceback" not in in_memory.stderr
     assert [p.name for p in (project / "models").rglob("*") if p.is_file()] == [".train.lock"]  # the stage's lock
-    # SyncBatchNorm cannot run on these CPUs: refused before single trains, as ddp is in train.modes.
-    params.write_text(text.replace("sync_batchnorm: false", "sync_batchnorm: true"))
-    synced = train_cli(project, "single", check=False)
-    assert synced.returncode == 1 and "train.sync_batchnorm is true, but ddp trains on the CPU" in synced.stderr
-    assert [p.name for p in (project / "models").rglob("*") if p.is_file()] == [".train.lock"]
     params.write_text(text)
 
     for mode in ("single", "ddp"):
@@ -178,49 +173,82 @@ def resnet(norm: str) -> WorkloadConfig:
                           {"root": "unused", "classes": 3, "image_size": 16, "channels": 1, "norm": norm})
 
 
-def _ddp_each_norm(r: int, world: int, norms: list[str], train_split: DeviceSplit, val_split: DeviceSplit,
-                   out: Path) -> None:
-    for norm, mode in [*((norm, "ddp") for norm in norms), ("batch", "fsdp")]:
-        run = Training(train_config(16, epochs=2), mode, Rank(r, r, world, world), CPU,
-                       rank_dir(out / mode / norm, r), workload=resnet(norm))
+def _ddp_each_norm(r: int, world: int, runs: list[tuple[str, str, bool]], train_split: DeviceSplit,
+                   val_split: DeviceSplit, out: Path) -> None:
+    """Rank r of each (norm, mode, train.sync_batchnorm) training in turn; rank 0 saves its weights
+    as out/<norm>[-fsdp][-sync].pt."""
+    for norm, mode, synced in runs:
+        config = dataclasses.replace(train_config(16, epochs=2), sync_batchnorm=synced)
+        name = f"{norm}{'-fsdp' if mode == 'fsdp' else ''}{'-sync' if synced else ''}"
+        run = Training(config, mode, Rank(r, r, world, world), CPU, rank_dir(out / name, r), workload=resnet(norm))
         model, _ = train(run, train_split, val_split)
         if r == 0:
-            torch.save(model.state_dict(), out / f"{norm}{'-fsdp' if mode == 'fsdp' else ''}.pt")
+            torch.save(model.state_dict(), out / f"{name}.pt")
 
 
-def test_group_norm_keeps_single_equal_to_ddp_and_batch_norm_does_not(tmp_path):
+def test_group_norm_and_sync_batch_norm_keep_single_equal_to_ddp_and_batch_norm_does_not(tmp_path):
     """Said in docs/workloads.md: GroupNorm normalises each sample alone, so 2 DDP ranks add up to
     one device; BatchNorm normalises each rank's share by its own statistics, another function, the
-    same under fsdp as under ddp."""
+    same under fsdp as under ddp; with train.sync_batchnorm, DDP's BatchNorm takes the global
+    batch's statistics again (the CPU's SyncBatchNorm, pipeline.gloo_batchnorm), at 2 ranks and at 3,
+    whose shares of 16 are uneven (6, 5, 5), running statistics included."""
     train_split, val_split = small_images(96, 0), small_images(20, 1)
-    norms = ["group", "batch"]
-    run_ranks(2, _ddp_each_norm, norms, train_split, val_split, tmp_path)
-    for norm in norms:
+    run_ranks(2, _ddp_each_norm, [("group", "ddp", False), ("batch", "ddp", False), ("batch", "fsdp", False),
+                                  ("batch", "ddp", True)], train_split, val_split, tmp_path / "2")
+    run_ranks(3, _ddp_each_norm, [("batch", "ddp", True)], train_split, val_split, tmp_path / "3")
+    single = {}
+    for norm in ("group", "batch"):
         run = Training(train_config(16, epochs=2), "single", Rank(), CPU, tmp_path / f"single-{norm}",
                        workload=resnet(norm))
-        single = train(run, train_split, val_split)[0].state_dict()
-        apart = relative_difference(single, torch.load(tmp_path / f"{norm}.pt", weights_only=True))
-        if norm == "group":
-            assert apart < 1e-4, apart
-        else:
-            assert apart > 1e-3, apart
+        single[norm] = train(run, train_split, val_split)[0].state_dict()
+    assert relative_difference(single["group"], torch.load(tmp_path / "2/group.pt", weights_only=True)) < 1e-4
+    assert relative_difference(single["batch"], torch.load(tmp_path / "2/batch.pt", weights_only=True)) > 1e-3
+    for world in (2, 3):
+        synced = torch.load(tmp_path / f"{world}/batch-sync.pt", weights_only=True)
+        assert synced.keys() == single["batch"].keys() and any("running_var" in key for key in synced)
+        apart = relative_difference(single["batch"], synced)
+        assert apart < 1e-4, (world, apart)
     # fsdp, its ResNet blocks sharded one by one, trains what ddp trains, BatchNorm's statistics too
     # (rank 0's, sent to every rank before each training forward, as DDP sends them).
-    ddp, fsdp = (torch.load(tmp_path / f"{name}.pt", weights_only=True) for name in ("batch", "batch-fsdp"))
+    ddp, fsdp = (torch.load(tmp_path / f"2/{name}.pt", weights_only=True) for name in ("batch", "batch-fsdp"))
     assert any("running_mean" in key for key in fsdp) and relative_difference(ddp, fsdp) < 1e-4
 
 
 @pytest.mark.fast
-def test_sync_batchnorm_is_refused_where_ddp_would_train_on_the_cpu_and_is_part_of_the_trajectory():
+def test_the_cpus_sync_batchnorm_is_batch_norm_over_the_process_group_and_part_of_the_trajectory(tmp_path):
+    """pipeline.gloo_batchnorm in a process group of one: what BatchNorm computes, forward, backward
+    and running statistics, in training and in evaluation, with the same state_dict; the 2- and
+    3-rank trainings above show the sums crossing ranks. Refused with accumulation, not on CPUs."""
+    import copy
+
+    import torch.distributed as dist
+
+    from pipeline import gloo_batchnorm
+
     synced = dataclasses.replace(train_config(16), sync_batchnorm=True, device="cpu")
-    with pytest.raises(ConfigError, match="train.sync_batchnorm is true, but ddp trains on the CPU here"):
-        check_every_mode(synced)  # ddp in train.modes: before single trains
-    check_every_mode(dataclasses.replace(synced, modes=("single",)))  # no ddp: nothing to sync
-    model = ImageFolderClassifier("unused", classes=3, image_size=16, channels=1, norm="batch").build_model()
-    with pytest.raises(ConfigError, match="train.sync_batchnorm"):  # a Slurm node without GPUs: the rank says so
-        wrap(model, "ddp", CPU, sync_batchnorm=True)
+    check_every_mode(synced)  # the CPU has a SyncBatchNorm now: ddp in train.modes trains with it
     with pytest.raises(ConfigError, match="train.sync_batchnorm is true with train.grad_accum_steps = 2"):
-        check_every_mode(dataclasses.replace(synced, grad_accum_steps=2, device="cuda"))
+        check_every_mode(dataclasses.replace(synced, grad_accum_steps=2))
+    batch_norm = ImageFolderClassifier("unused", classes=3, image_size=16, channels=1, norm="batch").build_model()
+    converted = gloo_batchnorm.convert(copy.deepcopy(batch_norm), CPU)
+    layers = [m for m in converted.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert layers and all(type(m) is gloo_batchnorm.GlooSyncBatchNorm for m in layers)
+    assert converted.state_dict().keys() == batch_norm.state_dict().keys()
+    images = torch.randn(8, 1, 16, 16, generator=torch.Generator().manual_seed(0))
+    dist.init_process_group("gloo", init_method=(tmp_path / "store").as_uri(), rank=0, world_size=1)
+    try:
+        for model in (batch_norm, converted):
+            model.train()
+            model(images).square().sum().backward()
+            model(images * 2).sum().backward()  # a second step's statistics: the running average
+        expected = dict(batch_norm.named_parameters())
+        for name, parameter in converted.named_parameters():
+            torch.testing.assert_close(parameter.grad, expected[name].grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(converted.state_dict(), batch_norm.state_dict(), rtol=1e-5, atol=1e-6)
+        batch_norm.eval(), converted.eval()
+        torch.testing.assert_close(converted(images), batch_norm(images))
+    finally:
+        dist.destroy_process_group()
     # ddp's alone: a single or dp checkpoint goes on whatever it says.
     assert trajectory(synced, "single") == trajectory(train_config(16), "single")
     # A checkpoint trained without it is not continued with it; one from before the setting was without it.

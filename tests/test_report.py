@@ -6,7 +6,8 @@ import io
 import pytest
 
 from pipeline.loop import loss_windows
-from pipeline.report import ModeResult, comparison_rows, console_table, markdown, mode_metrics, modes_csv, warnings
+from pipeline.report import (ModeResult, comparison_rows, console_table, markdown, mode_metrics, modes_csv,
+                             val_scores_csv, warnings)
 
 pytestmark = pytest.mark.fast  # the inner loop's tier: `make test-fast`
 
@@ -176,3 +177,51 @@ def test_a_disturbed_mode_is_named_with_what_disturbed_it():
     assert table.count("**Timing disturbed:** ") == len(found)
     assert "| ddp | 40 (2) | 10 | 25.00 | 1.40 (of 2) | 3.50 |" in table
     assert mode_metrics(rows[1])["timing_warnings"] == len(found)
+
+
+def test_every_score_of_the_workload_has_its_column_in_both_tables():
+    """A regression's evaluation gives no accuracy but two metrics of its own: each heads a column
+    of the console table and of comparison.md; MNIST's shows its accuracy alone."""
+    scores = {"abs_error": 0.31234, "squared_error": 0.2, "loss": 0.2, "count": 40}
+    results = [ModeResult(mode, result(mode, 1000.0).train, scores, [], []) for mode in ("single", "ddp")]
+    rows = comparison_rows(results)
+    lines = console_table(rows).splitlines()
+    assert lines[0].split()[:5] == ["mode", "test", "abs_error", "test", "squared_error"], lines
+    assert lines[2].split()[:3] == ["ddp", "0.3123", "0.2"], lines
+    table = [line for line in markdown(rows, results).splitlines() if line.startswith("|")][:4]
+    assert table[0].endswith("| test abs_error | test squared_error |") and table[1].count("|") == table[0].count("|")
+    assert table[3].startswith("| ddp |") and table[3].endswith("| 0.3123 | 0.2 |"), table
+    mnist = comparison_rows([result("single", 1000.0)])
+    assert console_table(mnist).splitlines()[0].split()[:3] == ["mode", "test", "accuracy"]
+    assert markdown(mnist, [result("single", 1000.0)]).splitlines()[2].endswith("| test accuracy |")
+
+
+def test_the_loss_chart_draws_a_line_for_every_mode(tmp_path, monkeypatch):
+    """fsdp too: each mode its own style, whichever modes trained (a zip over three colours once
+    dropped the fourth mode's line)."""
+    from pipeline import report
+    from pipeline.config import MODES
+    from pipeline.plotting import pyplot
+
+    assert set(report.LOSS_STYLES) == set(MODES)
+    drawn = []
+    plt = pyplot()
+    monkeypatch.setattr(plt, "close", lambda figure: drawn.extend(
+        line.get_label() for line in figure.axes[0].get_lines()))
+    steps = [{"step": float(step), "epoch": 1.0, "train_loss": 1.0 / step} for step in (1, 2)]
+    results = [ModeResult(mode, {}, {}, [{"epoch": 1.0, "val_loss": 0.4}], steps) for mode in MODES]
+    report.loss_png(results, tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    assert drawn == [f"{mode}: {what}" for mode in MODES for what in ("training", "validation, end of epoch")]
+
+
+def test_validation_scores_are_one_long_table_whatever_the_workload_names_them():
+    mnist = ModeResult("ddp", {}, {}, [{"epoch": 1.0, "val_loss": 0.3, "val_accuracy": 0.9, "train_loss": 0.5}], [])
+    table = ModeResult("single", {}, {}, [{"epoch": 2.0, "val_loss": 0.2, "val_abs_error": 0.25,
+                                          "val_squared_error": 0.2}], [])
+    only_loss = ModeResult("dp", {}, {}, [{"epoch": 1.0, "val_loss": 0.125}], [])
+    rows = list(csv.DictReader(io.StringIO(val_scores_csv([mnist, table, only_loss]))))
+    assert rows == [{"epoch": "1", "mode": "ddp", "metric": "accuracy", "value": "0.9"},
+                    {"epoch": "2", "mode": "single", "metric": "abs_error", "value": "0.25"},
+                    {"epoch": "2", "mode": "single", "metric": "squared_error", "value": "0.2"},
+                    {"epoch": "1", "mode": "dp", "metric": "loss", "value": "0.125"}]

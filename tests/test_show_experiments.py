@@ -53,12 +53,27 @@ def test_names_in_wide_scripts_keep_the_columns_aligned():
     assert starts[0] == starts[1], lines
 
 
-def test_a_workload_without_accuracy_shows_its_own_first_score():
-    """A regression's metrics/<mode>.json holds its scores beside compare's numbers: the row shows
-    the first by name, as compare's table heads with it."""
+def test_a_workload_without_accuracy_shows_each_of_its_scores():
+    """A regression's metrics/<mode>.json holds its scores beside compare's numbers: a column each,
+    as compare's table has; a row of another workload (MNIST's accuracy) has "-" in them, and they
+    in its."""
     found = [entry("  table", {}, {"abs_error": 0.31234, "squared_error": 0.2, "loss": 0.2, "samples_per_s": 900.0,
                                    "speedup": 1.0, "speedup_low": 0.9, "speedup_high": 1.1, "step_ms": 3.0}),
              entry("workspace", {}, {"accuracy": 0.975, "loss": 0.08, "speedup": 1.0})]
     lines = show_experiments.table(found).splitlines()
-    assert "abs_error 0.3123" in lines[1] and "97.50%" in lines[2], lines
-    assert show_experiments.score({"loss": 0.25, "speedup": 1.0}) == "loss 0.25"
+    header = lines[0].split()
+    start = header.index("mode") + 1
+    assert header[start:start + 6] == ["test", "accuracy", "test", "abs_error", "test", "squared_error"], header
+    assert lines[1].split()[start - 1:start + 3] == ["single", "-", "0.3123", "0.2"], lines
+    assert lines[2].split()[start - 1:start + 3] == ["single", "97.50%", "-", "-"], lines
+    assert show_experiments.scores([{"loss": 0.25, "speedup": 1.0}]) == ["loss"]
+    assert show_experiments.score({"loss": 0.25}, "loss") == "0.25"
+
+
+def test_every_mode_has_its_row_fsdp_too():
+    numbers = {"accuracy": 0.97, "speedup": 1.0}
+    found = [{"name": "workspace", "params": {"train": {"modes": ["single", "ddp", "fsdp"]}},
+              "metrics": {f"metrics/{mode}.json": numbers for mode in ("fsdp", "single", "ddp")}}]
+    lines = show_experiments.table(found).splitlines()
+    # The mode, then five cells of one word each: accuracy, samples/s, speed-up, train time, warnings.
+    assert [line.split()[-6] for line in lines[1:]] == ["single", "ddp", "fsdp"], lines

@@ -423,9 +423,15 @@ def test_a_teams_own_data_is_prepared_trained_and_evaluated_by_the_stages(tmp_pa
     # compare: its first metric where MNIST has accuracy, and every score in metrics/ for DVC.
     compared = run(["mnist-pipeline", "compare"], project, **project_env(project)).stdout
     assert "test abs_error" in compared and f"{scores['abs_error']:.4g}" in compared, compared
+    assert "test squared_error" in compared and f"{scores['squared_error']:.4g}" in compared, compared
     metrics = json.loads((project / "metrics/ddp.json").read_text())
     assert metrics["abs_error"] == round(scores["abs_error"], 6) and "accuracy" not in metrics
-    assert "| test abs_error |" in (project / "reports/comparison.md").read_text()
+    assert "| test abs_error | test squared_error |" in (project / "reports/comparison.md").read_text()
+    # DVC's charts follow the workload: its validation scores, a panel each, and no MNIST accuracy.
+    shown = json.loads(run(["dvc", "plots", "show", "--json"], project, **project_env(project)).stdout)
+    assert shown.get("errors") is None, shown.get("errors")
+    panels = {point["metric"] for point in shown["data"]["reports/val_scores.csv"][0]["content"]["data"]["values"]}
+    assert panels == {"abs_error", "squared_error"}, panels
     both = ["--mode", "single", "--mode", "ddp"]
     # The gate on one of its metrics: a bound the model cannot meet fails the stage, naming it.
     (project / "params.yaml").write_text((project / "params.yaml").read_text().replace(
