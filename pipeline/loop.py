@@ -36,11 +36,11 @@ from tqdm import tqdm
 
 from pipeline.atomic import save_torch
 from pipeline.breakdown import Probe, timeline
-from pipeline import hostload
+from pipeline import gloo_batchnorm, hostload
 from pipeline.checkpoint import CHECKPOINT_FILE, check_schedule_length, other_world, trajectory
 from pipeline.compiled import check_can_compile, compile_forwards, eager, graphs_compiled, uncompile
 from pipeline.config import TrainConfig, WorkloadConfig
-from pipeline.errors import PipelineError
+from pipeline.errors import ConfigError, PipelineError
 from pipeline.optim import build_optimizer, build_schedule
 from pipeline.parallel import (
     Rank,
@@ -262,6 +262,8 @@ def wrap_for_mode(model: nn.Module, config: TrainConfig, device: torch.device, m
     if config.compile:
         # Checked by the stage before it changed anything; again here, on a Slurm node or in a pod.
         check_can_compile(device.type, mode, dp_device_count(device) if mode == "dp" else 1)
+        if mode == "ddp" and config.sync_batchnorm and device.type == "cpu":
+            raise ConfigError(gloo_batchnorm.NOT_COMPILED)
         # fsdp: each layer it gathers on its own, as torchtitan compiles each block (FSDP2's hooks
         # stop Dynamo from compiling a module that holds them); the others: the whole network.
         compile_forwards(shard_units(model) if mode == "fsdp" else [model], config.deterministic)

@@ -232,6 +232,9 @@ def check_distributed(train, mode: str) -> None:
         raise ConfigError("train.sync_batchnorm is true with train.grad_accum_steps = "
                           f"{train.grad_accum_steps}: SyncBatchNorm needs every rank to run as many micro-batches, "
                           "which a short last batch does not give; set one of them back")
+    # Here, the devices this host has; a Slurm job's node checks its own (pipeline.loop.wrap_for_mode).
+    if train.compile and train.launcher == "local" and not gpus.gpus_as_wanted(train.device):
+        raise ConfigError(gloo_batchnorm.NOT_COMPILED)
 
 
 def batch_shares(batch: int, world_size: int) -> list[int]:

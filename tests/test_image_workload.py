@@ -17,7 +17,7 @@ from pipeline.batches import AUGMENTED_IN_MEMORY, split_of
 from pipeline.checkpoint import settings_changed, trajectory
 from pipeline.config import DataConfig, WorkloadConfig
 from pipeline.errors import ConfigError, DataError
-from pipeline.loop import DeviceSplit, Training, settle_gradient_buckets, train
+from pipeline.loop import DeviceSplit, Training, settle_gradient_buckets, train, wrap_for_mode
 from pipeline.mnist import read_split
 from pipeline.parallel import Rank, check_every_mode
 from pipeline.workloads import check_workload, load_workload
@@ -247,8 +247,24 @@ def test_the_cpus_sync_batchnorm_is_batch_norm_over_the_process_group_and_part_o
         torch.testing.assert_close(converted.state_dict(), batch_norm.state_dict(), rtol=1e-5, atol=1e-6)
         batch_norm.eval(), converted.eval()
         torch.testing.assert_close(converted(images), batch_norm(images))
+        # Under fp16 autocast (train.fp16) the statistics stay float32: the squares of 128 images of
+        # 28x28 pass fp16's largest number; a layer without a bias (torch's `bias=False`) too.
+        big = torch.randn(128, 3, 28, 28, generator=torch.Generator().manual_seed(1)) * 3
+        plain = torch.nn.BatchNorm2d(3, bias=False)
+        synced_layer = gloo_batchnorm.convert(torch.nn.Sequential(copy.deepcopy(plain)), CPU)[0]
+        with torch.autocast("cpu", dtype=torch.float16):
+            expected, got = plain(big.half()), synced_layer(big.half())
+        assert got.dtype == torch.float16 and synced_layer.running_var.isfinite().all()
+        torch.testing.assert_close(got.float(), expected.float(), rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(synced_layer.running_var, plain.running_var)
     finally:
         dist.destroy_process_group()
+    # Not compiled on the CPU (a host sync in every layer): refused at start, and on a Slurm node.
+    with pytest.raises(ConfigError, match="train.sync_batchnorm and train.compile are both true"):
+        check_every_mode(dataclasses.replace(synced, compile=True))
+    check_every_mode(dataclasses.replace(synced, compile=True, modes=("single", "fsdp")))  # no ddp: nothing to sync
+    with pytest.raises(ConfigError, match="train.sync_batchnorm and train.compile are both true"):
+        wrap_for_mode(batch_norm, dataclasses.replace(synced, compile=True), CPU, "ddp")
     # ddp's alone: a single or dp checkpoint goes on whatever it says.
     assert trajectory(synced, "single") == trajectory(train_config(16), "single")
     # A checkpoint trained without it is not continued with it; one from before the setting was without it.
