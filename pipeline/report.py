@@ -143,7 +143,7 @@ def too_short_to_time(r: ModeResult) -> str:
     reasons = [r.train.get("no_steady") or "no epoch had a step after the warm-up (train.throughput_warmup_steps)",
                *([f"no step was measured: {r.train['unmeasured']}"] if r.train.get("unmeasured") else [])]
     return (f"{r.mode}: too short to time, so no speed-up: {'; '.join(reasons)}. Train on more data "
-            "(data.train_limit), with a smaller train.batch_size or more steps per epoch")
+            "(MNIST: data.train_limit), with a smaller train.batch_size or more steps per epoch")
 
 
 def impossible(mode: str, speedup: float | None, bound: int | None, device: str) -> str | None:

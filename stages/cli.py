@@ -268,7 +268,8 @@ opens MLflow."""
 @click.version_option(__version__, prog_name="mnist-pipeline")
 @click.option("-v", "--verbose", is_flag=True, help="Print the detail too (commcheck's timings), not only the files.")
 def main(verbose: bool) -> None:
-    """Train MNIST under single-device, DataParallel and DistributedDataParallel, and compare.
+    """Train a workload (MNIST by default) under single-device, DataParallel, DistributedDataParallel
+    and FSDP, and compare.
 
     Each command is one DVC stage (dvc.yaml), reading its settings from params.yaml."""
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -99,13 +99,14 @@ def failures(config: Config, results: dict[str, Evaluation]) -> list[str]:
     return failed
 
 
-@click.command(short_help="Test each mode's model on the 10,000 test images.")
+@click.command(short_help="Test each mode's model on the test split (MNIST's 10,000 images).")
 @params_option
 @click.option("--mode", "modes", type=click.Choice(MODES), multiple=True,
               help="A mode to evaluate (repeatable); default: every mode in train.modes.")
 @click.option("--data-dir", default="data/prepared", show_default=True, type=click.Path(file_okay=False))
 def evaluate(params_path: str, modes: tuple[str, ...], data_dir: str) -> None:
-    """Evaluate each mode's model on the 10,000 test images and log the result to its MLflow run."""
+    """Evaluate each mode's model on the workload's test split (MNIST's: 10,000 images) and log the
+    result to its MLflow run."""
     config = load_config(params_path)
     modes = tuple(dict.fromkeys(modes)) or config.train.modes  # each once, in the order given
     # Every model first: a missing or damaged one fails the stage before anything is written.

@@ -197,7 +197,8 @@ def test_the_checker_holds_a_line_to_this_trainings_runs_files_and_registry_name
            ({"op": "metrics", "run": ours}, "metrics must be"),
            ({"op": "metrics", "run": ours, "points": [["loss", float("nan"), 1, 0]]}, "metrics must be"),
            ({**model, "registered": "attacker"}, "registers the model as 'attacker'"),
-           ({**model, "mode": "ddp", "registered": "mnist-cnn"}, "a model of mode 'ddp'")]
+           ({**model, "mode": "ddp", "registered": "mnist-cnn"}, "a model of mode 'ddp'"),
+           ({**model, "registered": "mnist-cnn", "example_dtype": "object"}, "an input example of type 'object'")]
     for line, reason in bad:
         try:
             check(line)
@@ -206,7 +207,41 @@ def test_the_checker_holds_a_line_to_this_trainings_runs_files_and_registry_name
         else:
             raise AssertionError(f"accepted {line}")
     check({**model, "registered": "mnist-cnn"})
+    check({**model, "registered": "mnist-cnn", "example_dtype": "int64"})  # token ids, say
     check({"op": "metrics", "run": ours, "points": [["loss", 0.5, 1, 0]]})
+
+
+def test_a_models_input_example_keeps_its_integers_and_a_model_that_fails_on_it_is_refused(tmp_path):
+    """A workload whose inputs are token ids (an nn.Embedding first) logs its example as integers,
+    and the logged model predicts on integers; floating inputs stay float32, as before (and an op
+    from before the type was written down). A model that raises on its own example is a refusal,
+    one line naming the file, not an outage to wait out (nothing was asked of the store)."""
+    import numpy as np
+    import torch
+
+    from pipeline.errors import ConfigError
+    from pipeline.tracking import mlflow_model
+    from pipeline.tracking.model import example_tensor, log_model
+    from pipeline.tracking.store import refused
+    from pipeline.config import WorkloadConfig
+    from pipeline.workloads import load_workload, recorded
+
+    assert example_tensor({"example": [[1, 2]], "example_dtype": "int64"}).dtype == torch.int64
+    assert example_tensor({"example": [[0.5]], "example_dtype": "float64"}).dtype == torch.float32
+    assert example_tensor({"example": [[0.5]]}).dtype == torch.float32
+    logged = mlflow_model.MnistClassifier()
+    logged.model = torch.nn.Embedding(5, 3)
+    assert logged.predict(None, np.array([[1, 4]])).shape == (1, 2, 3)
+    logged.model = torch.nn.Linear(2, 1)
+    assert logged.predict(None, np.array([[1.0, 2.0]], dtype=np.float64)).dtype == np.float32
+    workload = WorkloadConfig()  # MNIST's
+    network = load_workload(workload).build_model()
+    torch.save({"state_dict": network.state_dict(), "workload": recorded(workload)}, tmp_path / "model.pt")
+    op = {"op": "model", "run": "0" * 32, "file": str(tmp_path / "model.pt"), "mode": "single",
+          "example": [[1.0, 2.0]], "example_dtype": "float32"}  # not an image: MNIST's network cannot take it
+    with pytest.raises(ConfigError, match=r"model.pt: the model does not run on its input example") as caught:
+        log_model(None, "", op)
+    assert refused(caught.value)
 
 
 def test_refusals_and_outages_as_an_s3_bucket_answers_them():

@@ -67,7 +67,7 @@ def test_speedups_compare_the_steady_state_when_every_mode_has_one():
     assert warnings(rows[1]) == [
         "ddp: too short to time, so no speed-up: each epoch's 2 step(s) are all warm-up "
         "(train.throughput_warmup_steps: 10); no step was measured: the last epoch's 2 step(s) all went to "
-        "train.trace_steps (2). Train on more data (data.train_limit), with a smaller train.batch_size or more "
+        "train.trace_steps (2). Train on more data (MNIST: data.train_limit), with a smaller train.batch_size or more "
         "steps per epoch"]
     assert "speedup" not in mode_metrics(rows[1]) and mode_metrics(rows[1])["timing_warnings"] == 1
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from pipeline.errors import PipelineError
-from pipeline.tracking.model import log_model
+from pipeline.tracking.model import EXAMPLE_DTYPES, log_model
 from pipeline.tracking.store import (check_store, from_tracking, http_status, reason, refused, shown, store_errors,
                                      tracking_uri)
 
@@ -116,6 +116,8 @@ def op_checker(mode_dir: Path, run_ids: Iterable[str] | None = None, registered:
             _own_file(str(op.get("file")), root)
             if op.get("mode") != Path(mode_dir).name or not isinstance(op.get("example"), list):
                 raise ValueError(f"a model of mode {op.get('mode')!r}, not {Path(mode_dir).name}'s")
+            if op.get("example_dtype", "float32") not in EXAMPLE_DTYPES:
+                raise ValueError(f"an input example of type {op.get('example_dtype')!r}, not one of {EXAMPLE_DTYPES}")
             if (op.get("registered") or None) != (registered or None):
                 raise ValueError(f"registers the model as {op.get('registered')!r}; tracking.registered_model says "
                                  f"{registered or 'none'!r}")

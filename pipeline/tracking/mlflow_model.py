@@ -34,8 +34,8 @@ def build_from_weights(path: str, allow: str | None = None):
 
 
 class MnistClassifier(PythonModel):
-    """The workload's model on a float32 batch shaped as its example (MNIST's: normalised images,
-    (N, 1, 28, 28), to logits)."""
+    """The workload's model on a batch shaped and typed as its example (MNIST's: normalised float32
+    images, (N, 1, 28, 28), to logits; a text model's: integer token ids)."""
 
     # The model is logged with its signature; without this, MLflow asks for type hints on predict
     # (a warning on every log and load) and would wrap it to validate them.
@@ -51,8 +51,12 @@ class MnistClassifier(PythonModel):
         import numpy as np
         import torch
 
+        # Integer and boolean inputs (token ids) as they come, as the signature has them; the rest float32.
+        array = np.asarray(model_input)
+        if array.dtype.kind not in "iub":
+            array = array.astype(np.float32)
         with torch.no_grad():
-            return self.model(torch.as_tensor(np.asarray(model_input, dtype=np.float32))).numpy()
+            return self.model(torch.as_tensor(array)).numpy()
 
 
 mlflow.models.set_model(MnistClassifier())

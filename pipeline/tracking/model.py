@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Iterator
 
 from pipeline import record
-from pipeline.errors import PipelineError
+from pipeline.errors import ConfigError, PipelineError
 from pipeline.tracking.facts import git_facts
 
 log = logging.getLogger(__name__)
@@ -29,9 +29,15 @@ def log_model(client, uri: str, op: dict) -> None:
     if not path.is_file():
         log.warning("%s: gone, so its MLflow model is not logged", path)
         return
-    example = torch.tensor(op["example"], dtype=torch.float32)
-    with torch.no_grad():  # op["workload"]: the class path params.yaml names (delivery.op_checker), never the file's
-        output = mlflow_model.build_from_weights(str(path), allow=op.get("workload"))(example).numpy()
+    example = example_tensor(op)
+    try:
+        with torch.no_grad():  # op["workload"]: the class path params.yaml names (delivery.op_checker), never the file's
+            output = mlflow_model.build_from_weights(str(path), allow=op.get("workload"))(example).numpy()
+    except PipelineError:
+        raise
+    except Exception as exc:  # the model itself, before any call to the store: no wait on the store helps
+        raise ConfigError(f"{path}: the model does not run on its input example "
+                          f"({type(exc).__name__}: {exc}), so it is not logged") from exc
     example = example.numpy()
     mlflow.set_tracking_uri(uri)
     # Into the run's experiment, by run id: mlflow.start_run(run_id=...) would set the run
@@ -72,6 +78,19 @@ def log_model(client, uri: str, op: dict) -> None:
         client.set_registered_model_alias(registered, op["mode"], version)
         for key, value in {"mode": op["mode"], "run_id": op["run"], **git_facts()}.items():
             client.set_model_version_tag(registered, version, key, value)
+
+
+# The input example's types a model op may name: a workload's inputs (token ids, say) keep theirs; any
+# floating one is logged as float32, as the model's inputs are (older ops name none: float32).
+EXAMPLE_DTYPES = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+
+
+def example_tensor(op: dict):
+    """The model op's input example as a tensor of its own type (integers and booleans kept)."""
+    import torch
+
+    dtype = getattr(torch, op.get("example_dtype", "float32"))
+    return torch.tensor(op["example"], dtype=torch.float32 if dtype.is_floating_point else dtype)
 
 
 def _code_changed_since(run, own: dict) -> str | None:

@@ -140,7 +140,8 @@ class ModeRun:
         for path in artifacts:
             self.outbox.put({"op": "artifact", "run": self.parent_id, "path": str(path)})
         self.outbox.put({"op": "model", "run": self.parent_id, "file": str(model_file), "mode": self.mode,
-                         "example": example.tolist(), "registered": self.config.registered_model or None,
+                         "example": example.tolist(), "example_dtype": str(example.dtype).removeprefix("torch."),
+                         "registered": self.config.registered_model or None,
                          "workload": workload})
 
     def end(self, status: str, wait_s: float | None = None) -> None:

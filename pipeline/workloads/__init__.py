@@ -96,7 +96,8 @@ DATA_PARTS = ("prepare", "split")  # MNIST's unless both are the workload's own
 # train_loss_window): a metric of one of these names would be mixed up with them.
 RESERVED = ("loss", "count", "time_s", "loss_window",
             # and compare's own numbers beside the test scores in metrics/<mode>.json (pipeline.report)
-            "samples_per_s", "speedup", "scaling_efficiency", "step_ms", "train_time_s", "timing_warnings")
+            "samples_per_s", "speedup", "scaling_efficiency", "step_ms", "train_time_s", "timing_warnings", "val_loss",
+            "val_accuracy", *(f"{key}_{end}" for key in ("speedup", "scaling_efficiency", "step_ms") for end in ("low", "high")))
 
 
 def load_workload(config: WorkloadConfig, source: str = "params.yaml") -> Workload:
