@@ -90,13 +90,14 @@ def dotted_keys(params: dict, prefix: str = "") -> list[str]:
 
 
 def shown_params(found: list[dict]) -> list[str]:
-    """The six always, then each other param whose value is not the same in every row that has
-    params, in params.yaml's order."""
+    """The six (MNIST's model where a row has one: another workload's rows have none), then each
+    other param whose value is not the same in every row that has params, in params.yaml's order."""
     with_params = [entry["params"] for entry in found if entry["params"]]
     keys = dict.fromkeys(key for params in with_params for key in dotted_keys(params))
+    fixed = [key for key in PARAMS if key != PARAMS[0] or any(param(params, key) != "-" for params in with_params)]
     differing = [key for key in keys if key not in PARAMS
                  and len({param(params, key) for params in with_params}) > 1]
-    return [*PARAMS, *differing]
+    return [*fixed, *differing]
 
 
 def label(dotted: str) -> str:

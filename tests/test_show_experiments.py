@@ -16,7 +16,8 @@ import show_experiments  # noqa: E402
 
 def entry(name: str, train: dict, metrics: dict | None = None) -> dict:
     return {"name": name, "params": {"train": {"lr": 0.02, "weight_decay": 0.0, "modes": ["single"], **train},
-                                     "data": {"val_size": 5000}},
+                                     "data": {"val_size": 5000},
+                                     "workload": {"init_args": {"model": "small", "label_smoothing": 0.1}}},
             "metrics": {"metrics/single.json": metrics} if metrics else {}}
 
 
@@ -67,6 +68,10 @@ def test_a_workload_without_accuracy_shows_each_of_its_scores():
     assert lines[1].split()[start - 1:start + 3] == ["single", "-", "0.3123", "0.2"], lines
     assert lines[2].split()[start - 1:start + 3] == ["single", "97.50%", "-", "-"], lines
     assert show_experiments.scores([{"loss": 0.25, "speedup": 1.0}]) == ["loss"]
+    # Rows of other workloads alone: no column for MNIST's model, which none of them has.
+    for row in found:
+        row["params"] = {**row["params"], "workload": {"class_path": "workloads.table.Regression", "init_args": {}}}
+    assert "workload.init_args.model" not in show_experiments.table(found).splitlines()[0]
     assert show_experiments.score({"loss": 0.25}, "loss") == "0.25"
 
 

@@ -343,6 +343,72 @@ def test_a_teams_workload_outside_the_package_trains_in_every_mode_and_is_evalua
     assert kept() == before
 
 
+# A workload whose inputs are integers: each image's pixels, every 16th, as token ids (0: dark, 1:
+# lit), through an nn.Embedding. MNIST's own files and split, mapped once on the device.
+TOKENS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeline.workloads import Samples, Workload
+
+
+class Tokens(Workload):
+    def build_model(self):
+        return nn.Sequential(nn.Embedding(2, 4), nn.Flatten(), nn.Linear(49 * 4, 10))
+
+    def loss(self, outputs, targets):
+        return F.cross_entropy(outputs, targets, reduction="sum")
+
+    def metrics(self, outputs, targets):
+        return {"accuracy": (outputs.argmax(1) == targets).sum()}
+
+    def example_batch(self):
+        return torch.zeros(2, 49, dtype=torch.long), torch.tensor([3, 4])
+
+    def prepare(self, out, raw, data):
+        return super().prepare(out, raw, data)
+
+    def split(self, data_dir, name):
+        images = super().split(data_dir, name)
+        return Samples(images.dataset, on_device=lambda inputs: tokens(images.on_device(inputs)))
+
+
+def tokens(images):
+    return (images > 0).long().flatten(1)[:, ::16]
+'''
+PREDICT_TOKENS = """
+import json, sys
+import mlflow, numpy
+model = mlflow.pyfunc.load_model(sys.argv[1])
+schema = model.metadata.get_input_schema().inputs[0]
+print(json.dumps([str(schema.type), model.predict(numpy.ones((3, 49), dtype=numpy.int64)).tolist()]))
+"""
+
+
+def test_a_workload_of_token_ids_logs_a_model_that_takes_integers(tmp_path, mnist_dir):
+    """Inputs that are integers (a text model's token ids) reach the logged MLflow model as they
+    are: its input example and signature are int64, and the model MLflow loads predicts on them
+    (an example cast to float32 once failed the Embedding, and the logging waited on it as if the
+    store were away)."""
+    project = make_project(tmp_path / "proj", {**SMALL, "workload": {"class_path": "workloads.text.Tokens",
+                                                                     "init_args": {}}})
+    (project / "workloads/text.py").write_text(textwrap.dedent(TOKENS))
+    prepare(project, mnist_dir)
+    said = train_cli(project, "single")
+    assert "not logged" not in said.stderr, said.stderr
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    parent = json.loads((project / "models/single/mlflow_run.json").read_text())["parent"]
+    assert client.get_run(parent).data.tags["weights_sha256"] == record.saved_weights_digest(
+        project / "models/single/model.pt")  # set once the model is logged
+    store = {"MLFLOW_TRACKING_URI": f"sqlite:///{project / 'mlflow.db'}"}
+    printed = run([sys.executable, "-c", PREDICT_TOKENS, f"runs:/{parent}/model"], tmp_path, **store).stdout
+    kind, predicted = json.loads(printed.splitlines()[-1])
+    assert kind in ("int64", "long") and torch.tensor(predicted).shape == (3, 10), printed
+
+
 def test_a_model_sent_after_its_workload_was_edited_leaves_the_package_out_and_says_so(tmp_path):
     """An outage kept the model's call, and the team edited its workload before `send-runs` sent
     it: the package as it is now is not what trained, so the MLflow model goes without it, and the
