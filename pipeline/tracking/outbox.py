@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipeline.atomic import write_text
-from pipeline.errors import PipelineError
+from pipeline.errors import ConfigError, PipelineError
 
 log = logging.getLogger(__name__)
 RETRY_S = (1, 2, 4, 8)  # waits between attempts while the server is away, then every 8 s
@@ -105,8 +105,9 @@ class Outbox:
             except Exception as exc:
                 self.last_error = exc
                 if self._refused(exc):  # asking again would get the same answer
-                    log.error("the tracking server refused a call (%s); nothing more is sent, what is left is kept "
-                              "in %s", _short(exc), self.path)
+                    log.error("%s (%s); nothing more is sent, what is left is kept in %s",
+                              "a call cannot be made" if isinstance(exc, ConfigError)  # the model's, not the store's
+                              else "the tracking server refused a call", _short(exc), self.path)
                     with self._cond:
                         self.refusal = exc
                         self._cond.notify_all()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 from pipeline.config import MODES, TrackingConfig
-from pipeline.errors import PipelineError
+from pipeline.errors import ConfigError, PipelineError
 from pipeline.runtime.lifecycle import stop_signals_unwind
 from pipeline.tracking.delivery import outbox_for, stamped
 from pipeline.tracking.facts import dvc_experiment_facts, git_facts, log_datasets, log_uncommitted_change, run_name
@@ -174,6 +174,11 @@ class ModeRun:
                     f"send ({left} calls) is kept in {self.outbox.path}, for runs that are gone: drop it with "
                     f"`mnist-pipeline send-runs --mode {self.mode} --discard`, or restore the runs in the UI and "
                     f"`mnist-pipeline send-runs --mode {self.mode}`; a new training makes new runs")
+            if isinstance(refusal, ConfigError):  # not the store's answer: the model itself (tracking.model)
+                raise PipelineError(
+                    f"{self.mode}: its MLflow model could not be logged ({refusal}). Training's outputs are saved; "
+                    f"what rank {self.rank.rank} could not send ({left} calls) is kept in {self.outbox.path}: fix the "
+                    f"workload, then `mnist-pipeline send-runs --mode {self.mode}`")
             raise PipelineError(
                 f"{self.mode}: the tracking store {shown(self.uri)} refused this training's tracking "
                 f"({reason(refusal)}). Training's outputs are saved; what rank {self.rank.rank} could not send "
