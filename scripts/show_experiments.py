@@ -17,7 +17,7 @@ import unicodedata
 
 MODES = ("single", "dp", "ddp", "fsdp")  # pipeline.config's order; this script runs without the package
 PARAMS = ("workload.init_args.model", "train.epochs", "train.batch_size", "train.lr", "train.nproc", "train.device")
-COLUMNS = (("samples_per_s", "samples/s", "{:,.0f}"),
+COLUMNS = (("samples_per_s", "samples/s", "{:,.0f}"),  # after the warm-up where every mode has one (compare's)
            ("speedup", "speed-up (95%)", "{:.2f}x"), ("train_time_s", "train time", "{:.1f} s"),
            ("timing_warnings", "warnings", "{:.0f}"))  # what compare warned of (reports/comparison.md says)
 # compare's own numbers in metrics/<mode>.json (pipeline.report.mode_metrics); the others there are

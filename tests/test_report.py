@@ -83,6 +83,9 @@ def test_the_metrics_dvc_compares_are_numbers_led_by_test_accuracy():
     assert all(isinstance(v, (int, float)) for v in (*single.values(), *ddp.values()))
     lines = console_table(rows).splitlines()
     assert len(lines) == 3 and lines[2].split() == ["ddp", "98.00%", "1,650", "n/a", "1.50x", "10.0", "s"]
+    assert " samples/s after warm-up " in lines[0]  # the rate the speed-up divides, named as the report names it
+    whole_epochs = comparison_rows([result("single", 1000.0, steady_samples_per_s=None)])
+    assert " samples/s " in console_table(whole_epochs).splitlines()[0] and "warm-up" not in console_table(whole_epochs)
     assert ddp["timing_warnings"] == 0 and "step_ms" not in ddp  # no step measured: no step time
 
 
