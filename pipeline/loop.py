@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from pipeline.atomic import save_torch
 from pipeline.breakdown import Probe, timeline
-from pipeline import gloo_batchnorm, hostload
+from pipeline import gloo_batchnorm, hostload, shards
 from pipeline.checkpoint import CHECKPOINT_FILE, check_schedule_length, other_world, trajectory
 from pipeline.compiled import check_can_compile, compile_forwards, eager, graphs_compiled, uncompile
 from pipeline.config import TrainConfig, WorkloadConfig
@@ -474,16 +474,22 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
     names = score_names(workload, model, device)  # before any epoch seeds its draws
     scaler = grad_scaler(device, config.fp16)
     checkpoint_path = run.out_dir / CHECKPOINT_FILE
+    if config.checkpoint_format == "sharded":  # before any step: every rank writes in the folder
+        shards.check_shared(run.out_dir, rank)
 
     start_epoch, history, partial = 0, [], None
+    # A sharded checkpoint's parts are read once the model is wrapped as it was when they were written.
+    resume_shards = run.resume_state is not None and shards.TAG_KEY in run.resume_state
     if run.resume_state is not None:  # the same state on every rank: rank 0 read and sent it
         state = run.resume_state
         # The stage refused this before changing anything (train's pick_up); a worker's own disk may
         # still hold a checkpoint of another length.
         check_schedule_length(state, config.epochs * steps, run.out_dir / CHECKPOINT_FILE)
-        model.load_state_dict(state["model"])  # fsdp's too: whole weights, sharded as they are wrapped
+        if not resume_shards:
+            model.load_state_dict(state["model"])  # fsdp's too: whole weights, sharded as they are wrapped
         if run.mode != "fsdp":
-            optimizer.load_state_dict(state["optimizer"])
+            if not resume_shards:
+                optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
         if scaler is not None:  # fp16 is a trajectory key: its checkpoints hold the scale
             scaler.load_state_dict(state["scaler"])
@@ -501,8 +507,11 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
         optimizer = build_optimizer(wrapped.parameters(), config)
         scheduler = build_schedule(optimizer, config, config.epochs * steps)
         if run.resume_state is not None:
-            load_sharded_optimizer(model, optimizer, run.resume_state["optimizer"])
+            if not resume_shards:
+                load_sharded_optimizer(model, optimizer, run.resume_state["optimizer"])
             scheduler.load_state_dict(run.resume_state["scheduler"])
+    if resume_shards:
+        shards.load(run.out_dir, run.resume_state, model, optimizer)
     # The step's phases (on every step on the CPU); its communication, and a trace, on a window of
     # the last epoch.
     probe = Probe(device, window=config.breakdown_steps, trace_steps=config.trace_steps,
@@ -648,10 +657,12 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
             history.append(metrics)
             if sharded(wrapped):  # evaluation's forwards leave the root's own parameters gathered
                 wrapped.reshard()
-            state = checkpoint_state(model, wrapped, optimizer, scheduler, scaler, epoch + 1, history, config, run)
+            # The last is whole whatever the format: model.pt gathers the weights now anyway.
+            state = checkpoint_state(model, wrapped, optimizer, scheduler, scaler, epoch + 1, history, config, run,
+                                     shard_tag=shards.tag(epoch + 1, 0) if epoch + 1 < config.epochs else None)
             if rank.is_main:
                 report_epoch(run.mode, config.epochs, metrics)
-                save_torch(checkpoint_path, state)
+                write_checkpoint(checkpoint_path, state)
             for hook in run.epoch_hooks:
                 hook(metrics, rank_metrics)
             crash_if_asked(epoch + 1)
@@ -688,10 +699,11 @@ def step_checkpoints(run: Training, model: nn.Module, wrapped: nn.Module, optimi
         if not stop and (done % every or i + 1 == steps):
             return
         parts = all_gather_objects(in_epoch_sums(i + 1, *sums, rng=rng(), wall_s=time.perf_counter() - started), rank)
-        state = checkpoint_state(model, wrapped, optimizer, scheduler, scaler, epoch, history, run.config, run)
+        state = checkpoint_state(model, wrapped, optimizer, scheduler, scaler, epoch, history, run.config, run,
+                                 shard_tag=shards.tag(epoch, i + 1))
         if rank.is_main:
-            save_torch(run.out_dir / CHECKPOINT_FILE,
-                       {**state, "in_epoch": {"world_size": rank.world_size, "ranks": parts}})
+            write_checkpoint(run.out_dir / CHECKPOINT_FILE,
+                             {**state, "in_epoch": {"world_size": rank.world_size, "ranks": parts}})
         broadcast_object(None, rank)  # no rank steps on (or is stopped) before the file is whole
         if stop:  # ends as the signal would have ended it, but a step later, with nothing lost
             if rank.is_main:
@@ -706,15 +718,22 @@ def step_checkpoints(run: Training, model: nn.Module, wrapped: nn.Module, optimi
 
 
 def checkpoint_state(model: nn.Module, wrapped: nn.Module, optimizer, scheduler, scaler, epochs_done: int,
-                     history: list[dict], config: TrainConfig, run: Training) -> dict[str, Any]:
-    """What a checkpoint holds, made on every rank (fsdp's gathers its shards: a collective) and
-    written by rank 0: the whole model and optimizer state, whatever the mode."""
+                     history: list[dict], config: TrainConfig, run: Training, shard_tag: str | None) -> dict[str, Any]:
+    """What a checkpoint holds, made on every rank (a collective: fsdp's gathers its shards) and
+    written by rank 0: the whole model and optimizer state, whatever the mode; or, under
+    train.checkpoint_format: sharded with a `shard_tag`, each rank's part written now by each rank
+    (pipeline.shards) and, in the file, the tag that names them."""
+    if config.checkpoint_format == "sharded" and shard_tag is not None:
+        shards.save(run.out_dir, shard_tag, model, optimizer, rank=run.rank)
+        weights = {"model": None, "optimizer": None, shards.TAG_KEY: shard_tag}
+    else:
+        weights = {"model": full_state_dict(model),
+                   "optimizer": optimizer.state_dict() if not sharded(wrapped) else whole_optimizer_state(model, optimizer)}
     return {
         # fsdp: how many replicas (nodes, under hybrid sharding) summed each gradient: a resume in
         # another layout would sum them in another order.
         **({"replicas": replicas(run)} if sharded(wrapped) else {}),
-        "model": full_state_dict(model),
-        "optimizer": optimizer.state_dict() if not sharded(wrapped) else whole_optimizer_state(model, optimizer),
+        **weights,
         "scheduler": scheduler.state_dict(),
         **({"scaler": scaler.state_dict()} if scaler is not None else {}),
         "epoch": epochs_done,
@@ -722,6 +741,13 @@ def checkpoint_state(model: nn.Module, wrapped: nn.Module, optimizer, scheduler,
         "trajectory": trajectory(config, run.mode, run.workload),
         "extra": run.extra_state,
     }
+
+
+def write_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Rank 0 writes the checkpoint, then removes the sharded parts it does not name (all of them
+    when it is whole): a crash before it is written leaves the previous one as it was."""
+    save_torch(path, state)
+    shards.prune(path.parent, state.get(shards.TAG_KEY))
 
 
 def replicas(run: Training) -> int:

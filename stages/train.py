@@ -23,6 +23,7 @@ from pipeline import checkpoint, compiled, gpus, parallel, record, workloads
 from pipeline.runtime import forkserver, lockfile
 from pipeline.atomic import in_the_way, save_torch, writable_folder, write_json, write_text
 from pipeline.checkpoint import CHECKPOINT_FILE, MODEL_FILE, resume_state, trajectory
+from pipeline.shards import SHARDS_DIR
 from pipeline.record import code_folders
 from pipeline.unfinished import OUTPUTS_COMPLETE, UNFINISHED_FILE, unfinished
 from pipeline.config import MODES, Config, flatten, load_config, read_config
@@ -371,7 +372,7 @@ def pick_up(config: Config, mode: str, data_dir: Path, asked: bool) -> bool:
                 fail_unfinished(config.tracking, read_run_ids(mode))
     if not go_on:  # what an earlier training left there (its logs are in MLflow and DVC's cache)
         (out / CHECKPOINT_FILE).unlink(missing_ok=True)
-        for folder in ("logs", TRACE_DIR):
+        for folder in ("logs", TRACE_DIR, SHARDS_DIR):
             shutil.rmtree(out / folder, ignore_errors=True)
         dropped = outbox.discard(out / OUTBOX_DIR)
         if dropped:  # said, not silent: they were an earlier training's, for runs now ended

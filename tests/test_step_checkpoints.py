@@ -1,7 +1,8 @@
 """Checkpoints every N steps (`train.checkpoint_every_steps`, #56): a training killed mid-epoch
 goes on from the next step and ends with the uninterrupted training's weights and epoch metrics,
 bit for bit, on one device and on 3 DDP or FSDP ranks (gloo), with dropout drawing from restored random
-states. The trainings are the pipeline's own loop in processes of their own, killed by its crash
+states; with whole checkpoints (rank 0 writes one file, the ranks' disks their own) and with sharded
+ones (`train.checkpoint_format: sharded`: each rank writes its part in a folder they share). The trainings are the pipeline's own loop in processes of their own, killed by its crash
 hook right after a step's checkpoint (tests/ddp_harness.py); the stage's path, torchrun's restart
 included, is tests/test_train_modes.py's odd-world-size resume."""
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from pipeline import shards
 from pipeline.checkpoint import CHECKPOINT_FILE, in_epoch_step, other_world, read_checkpoint, resume_state, trajectory
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
@@ -30,41 +32,60 @@ EXACT = ("train_loss", "train_accuracy", "val_loss", "val_accuracy", "clipped_st
          "lr_at_epoch_end", "rank_weight_checksums")
 
 
-def config():
+def config(checkpoints: str = "whole"):
     # classic: dropout, so the resumed steps must draw what the uninterrupted ones drew.
-    return dataclasses.replace(train_config(batch_size=40, epochs=2), checkpoint_every_steps=EVERY)
+    return dataclasses.replace(train_config(batch_size=40, epochs=2), checkpoint_every_steps=EVERY,
+                               checkpoint_format=checkpoints)
 
 
 def data():
     return learnable_data(400), learnable_data(50, seed=1)
 
 
-def trainer(r: int, world: int, out, phases: tuple[str, ...], mode: str) -> None:
+def folder_of(out, phase: str, r: int, checkpoints: str):
+    """Where rank r of an attempt writes: its node's disk, or (sharded) the folder all ranks share."""
+    folder = out / phase.replace("killed", "resumed")
+    return rank_dir(folder, r) if checkpoints == "whole" else folder
+
+
+def trainer(r: int, world: int, out, phases: tuple[str, ...], mode: str, checkpoints: str = "whole") -> None:
     """One rank of one or more attempts, in turn: 'whole' trains uninterrupted, 'killed' dies after
     step KILLED_AFTER's checkpoint (so it comes last), 'resumed' goes on from the checkpoint rank 0
     wrote."""
     for phase in phases:
-        folder = rank_dir(out / phase.replace("killed", "resumed"), r)
+        folder = folder_of(out, phase, r, checkpoints)
+        folder.mkdir(parents=True, exist_ok=True)
         if phase == "killed":
             os.environ["MNIST_PIPELINE_CRASH_AFTER_STEP"] = str(KILLED_AFTER)
-        state = read_checkpoint(out / "resumed" / "rank-0" / CHECKPOINT_FILE) if phase == "resumed" else None
-        model, history = train(Training(config(), mode, Rank(r, r, world, world), torch.device("cpu"), folder,
-                                        resume_state=state, workload=CLASSIC), *data())
+        state = read_checkpoint(folder_of(out, "resumed", 0, checkpoints) / CHECKPOINT_FILE) \
+            if phase == "resumed" else None
+        model, history = train(Training(config(checkpoints), mode, Rank(r, r, world, world), torch.device("cpu"),
+                                        folder, resume_state=state, workload=CLASSIC), *data())
         if r == 0:
             torch.save({"weights": model.state_dict(), "history": history}, out / f"{phase}.pt")
 
 
-@pytest.mark.parametrize("world, mode", [(1, "single"), (3, "ddp"), (3, "fsdp")])
-def test_a_training_killed_mid_epoch_resumes_bit_for_bit(tmp_path, world, mode):
+@pytest.mark.parametrize("world, mode, checkpoints", [(1, "single", "whole"), (3, "ddp", "whole"), (3, "fsdp", "whole"),
+                                                      (3, "ddp", "sharded"), (3, "fsdp", "sharded")])
+def test_a_training_killed_mid_epoch_resumes_bit_for_bit(tmp_path, world, mode, checkpoints):
     # The uninterrupted training runs first in the processes that are then killed: a start of
     # `world` processes fewer (each imports torch and the pipeline, most of their cost). The resume
     # still starts afresh, as after a real preemption.
     with pytest.raises(mp.ProcessExitedException, match="exit code 75"):
-        run_ranks(world, trainer, tmp_path, ("whole", "killed"), mode)
-    saved = read_checkpoint(tmp_path / "resumed" / "rank-0" / CHECKPOINT_FILE)
+        run_ranks(world, trainer, tmp_path, ("whole", "killed"), mode, checkpoints)
+    folder = folder_of(tmp_path, "resumed", 0, checkpoints)
+    saved = read_checkpoint(folder / CHECKPOINT_FILE)
     assert (saved["epoch"], in_epoch_step(saved)) == (1, KILLED_AFTER - 10)
     assert saved["in_epoch"]["world_size"] == world and len(saved["in_epoch"]["ranks"]) == world
-    run_ranks(world, trainer, tmp_path, ("resumed",), mode)
+    if checkpoints == "sharded":  # no weights in the file: each rank's part in the folder it names, the older gone
+        assert saved["model"] is None and saved["optimizer"] is None
+        assert [path.name for path in (folder / shards.SHARDS_DIR).iterdir()] == [saved[shards.TAG_KEY]]
+        parts = sorted(path.name for path in (folder / shards.SHARDS_DIR / saved[shards.TAG_KEY]).glob("*.distcp"))
+        assert parts == [f"__{r}_0.distcp" for r in range(world)]
+    run_ranks(world, trainer, tmp_path, ("resumed",), mode, checkpoints)
+    # The training's last checkpoint is whole, whatever the format, and no part is left beside it.
+    assert read_checkpoint(folder / CHECKPOINT_FILE)["model"] is not None
+    assert not (folder / shards.SHARDS_DIR).exists()
 
     whole = torch.load(tmp_path / "whole.pt", weights_only=True)
     resumed = torch.load(tmp_path / "resumed.pt", weights_only=True)
@@ -109,3 +130,42 @@ def test_a_restart_continues_only_a_checkpoint_of_its_own_launch(tmp_path):
     assert resume_state(path, expected, asked=False, restarted=True, rank=Rank(), launch="job-8") is None
     assert resume_state(path, expected, asked=True, restarted=False, rank=Rank(), launch="job-8")["epoch"] == 1
     assert resume_state(path, expected, asked=False, restarted=False, rank=Rank(), launch="job-7") is None
+
+
+def sharded_on_local_disks(r: int, world: int, out) -> None:
+    train(Training(config("sharded"), "ddp", Rank(r, r, world, world), torch.device("cpu"), rank_dir(out, r),
+                   workload=CLASSIC), *data())
+
+
+def test_sharded_checkpoints_on_disks_the_ranks_do_not_share_are_refused_before_a_step(tmp_path):
+    with pytest.raises(mp.ProcessRaisedException, match=r"train.checkpoint_format: sharded needs a folder every rank "
+                       r"shares, and rank 1 \(on .+\) does not see .+rank-1 as rank 0 writes it"):
+        run_ranks(2, sharded_on_local_disks, tmp_path)
+    assert not list(tmp_path.rglob(CHECKPOINT_FILE)) and not list(tmp_path.rglob(".shared-*"))
+
+
+@pytest.mark.fast
+def test_a_sharded_checkpoint_reads_back_what_was_written_and_keeps_only_the_one_named(tmp_path):
+    """pipeline.shards in one process (torch.distributed.checkpoint without a process group):
+    weights and optimizer state as written, bit for bit; parts no checkpoint names removed; a
+    checkpoint whose parts are gone is one line."""
+    cfg = dataclasses.replace(TrainConfig(), checkpoint_format="sharded")
+    model, optimizer, _ = build(cfg, 10, torch.device("cpu"))
+    model(torch.rand(4, 1, 28, 28)).sum().backward()
+    optimizer.step()
+    shards.check_shared(tmp_path, Rank())  # one rank: nothing to check
+    for name in ("old", shards.tag(1, 6)):
+        shards.save(tmp_path, name, model, optimizer, rank=Rank())
+    shards.prune(tmp_path, shards.tag(1, 6))
+    assert [path.name for path in (tmp_path / shards.SHARDS_DIR).iterdir()] == ["epoch-1-step-6"]
+
+    other, other_optimizer, _ = build(dataclasses.replace(cfg, seed=7), 10, torch.device("cpu"))
+    shards.load(tmp_path, {shards.TAG_KEY: shards.tag(1, 6)}, other, other_optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    saved, read = optimizer.state_dict()["state"], other_optimizer.state_dict()["state"]
+    assert saved.keys() == read.keys() and all(torch.equal(saved[i][key], read[i][key])
+                                               for i in saved for key in saved[i])
+    with pytest.raises(PipelineError, match=r"names the sharded checkpoint .*epoch-2-step-1, which is not there"):
+        shards.load(tmp_path, {shards.TAG_KEY: shards.tag(2, 1)}, other, other_optimizer)
+    shards.prune(tmp_path, None)  # a whole checkpoint names none
+    assert not (tmp_path / shards.SHARDS_DIR).exists()
