@@ -13,9 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pipeline import shards
 from pipeline.checkpoint import CHECKPOINT_FILE, read_checkpoint
 from pipeline.errors import PipelineError
-from pipeline.loop import Training, train
+from pipeline.loop import Training, build, full_parameters, train, wrap_for_mode
+from pipeline.optim import build_optimizer
 from pipeline.parallel import Rank
 from tests.conftest import relative_difference
 from tests.ddp_harness import learnable_data, rank_dir, run_ranks, train_config
@@ -161,6 +163,7 @@ def hybrid_rank(r: int, world: int, out) -> None:
         model, history = train(run, *data())
         if r == 0:
             torch.save({"weights": model.state_dict(), "history": history}, out / f"{sharding}.pt")
+    sharded_checkpoint_round_trip(Rank(r, r % 2, world, 2), out / "sharded-checkpoint", cfg)
     # Its checkpoint, resumed by 4 workers on one node: 1 replica, not 2, so refused before any step.
     # Rank 0 writes it after the epoch's last collective: the others wait for that (a restarted job's
     # workers find it written).
@@ -172,6 +175,31 @@ def hybrid_rank(r: int, world: int, out) -> None:
         train(run, *data())
     if r == 0:
         (out / "refused.txt").write_text(str(refused.value))
+
+
+def sharded_checkpoint_round_trip(rank: Rank, folder, cfg) -> None:
+    """train.checkpoint_format: sharded under the 2-D mesh: each rank writes its part of a model
+    stepped once, and another model (other weights) reads them back; then both step again alike."""
+    def built(seed: int):
+        model, _, _ = build(dataclasses.replace(cfg, seed=seed), 10, torch.device("cpu"))
+        wrapped = wrap_for_mode(model, cfg, torch.device("cpu"), "fsdp", nodes=2)
+        return model, wrapped, build_optimizer(wrapped.parameters(), cfg)
+
+    inputs = torch.rand(8, 1, 28, 28)
+    model, wrapped, optimizer = built(cfg.seed)
+    wrapped(inputs).sum().backward()
+    optimizer.step()
+    shards.save(folder, "stepped-once", model, optimizer, rank=rank)
+    other, other_wrapped, other_optimizer = built(cfg.seed + 1)
+    shards.load(folder, {shards.TAG_KEY: "stepped-once"}, other, other_optimizer)
+    read = all(torch.equal(a, b) for a, b in zip(full_parameters(model), full_parameters(other)))
+    for module, step in ((wrapped, optimizer), (other_wrapped, other_optimizer)):
+        step.zero_grad()
+        module(inputs).sum().backward()
+        step.step()
+    stepped = all(torch.equal(a, b) for a, b in zip(full_parameters(model), full_parameters(other)))
+    if rank.rank == 0:
+        (folder.parent / "sharded-checkpoint.txt").write_text(f"{read} {stepped}")
 
 
 def test_hybrid_sharding_shards_within_a_node_and_replicates_across_nodes(tmp_path, singles):
@@ -187,3 +215,5 @@ def test_hybrid_sharding_shards_within_a_node_and_replicates_across_nodes(tmp_pa
     assert 1.8 < sum(hybrid_mb) / sum(full_mb) < 2.2, (hybrid_mb, full_mb)
     assert "was trained with 2 replica(s) of the model (train.fsdp_sharding: hybrid, one a node), and this training " \
            "has 1" in (tmp_path / "refused.txt").read_text()
+    # A sharded checkpoint under the 2-D mesh reads back the weights and the optimizer state as written.
+    assert (tmp_path / "sharded-checkpoint.txt").read_text() == "True True"
