@@ -13,6 +13,7 @@ from pipeline.config import TrainConfig, WorkloadConfig
 from pipeline.errors import PipelineError
 from pipeline.parallel import Rank, all_gather_objects, broadcast_object
 from pipeline.record import code_file_digests, file_digest
+from pipeline.shards import RANKS_KEY
 from pipeline.workloads import full_init_args
 from pipeline.unfinished import UNFINISHED_FILE
 
@@ -121,8 +122,14 @@ def settings_changed(state: dict[str, Any], expected: dict[str, Any]) -> str:
 
 def other_world(state: dict[str, Any], world_size: int | None, path: Path) -> str | None:
     """Why a mid-epoch checkpoint cannot go on at `world_size` ranks (each rank carries its own part
-    of the epoch), or None where it can, or the world size is not known before the job starts."""
+    of the epoch), nor a sharded one (each rank wrote its part of the weights), or None where it
+    can, or the world size is not known before the job starts."""
     in_epoch = state.get("in_epoch")
+    parts = state.get(RANKS_KEY)
+    if parts and world_size is not None and parts != world_size:  # read back by as many (resharding: untested)
+        return (f"{path}: its weights and optimizer state are in parts written by {parts} ranks "
+                f"(train.checkpoint_format: sharded), and this training would have {world_size}: set train.nproc "
+                f"(and train.nodes) back to make {parts}, or delete it and train afresh")
     if not in_epoch or world_size is None or in_epoch["world_size"] == world_size:
         return None
     return (f"{path}: written at step {in_epoch_step(state)} of epoch {state['epoch'] + 1} by {in_epoch['world_size']} "

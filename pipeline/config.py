@@ -21,7 +21,7 @@ from pipeline.errors import ConfigError
 MODES = ("single", "dp", "ddp", "fsdp")
 DEFAULT_MODES = MODES[:3]  # what params.yaml trains: fsdp is asked for (docs/ddp.md)
 FSDP_SHARDING = ("full", "hybrid")
-CHECKPOINT_FORMATS = ("whole", "sharded")
+CHECKPOINT_FORMATS = ("whole", "sharded", "sharded-async")
 # The modes that train in several processes, one per device, each a rank of one process group:
 # DistributedDataParallel's copies of the model, and FSDP2's shards of it (fully_shard).
 DISTRIBUTED = ("ddp", "fsdp")
@@ -98,7 +98,8 @@ class TrainConfig:
     checkpoint_every_steps: int = field(default=0, metadata=_at_least(0))
     # "whole": rank 0 gathers the model and optimizer state and writes one file (node-local disks do);
     # "sharded": each rank writes its own part (torch.distributed.checkpoint, pipeline.shards), in a
-    # folder every rank must share. The training's last checkpoint is whole either way.
+    # folder every rank must share; "sharded-async": the same, written in a thread while the training
+    # goes on. The training's last checkpoint is whole either way.
     checkpoint_format: str = field(default="whole", metadata=_rule(lambda v: v in CHECKPOINT_FORMATS,
                                                                    f"one of {CHECKPOINT_FORMATS}"))
     seed: int = field(default=42, metadata=_SEED)

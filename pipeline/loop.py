@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
-from pipeline.atomic import save_torch
 from pipeline.breakdown import Probe, timeline
 from pipeline import gloo_batchnorm, hostload, shards
 from pipeline.checkpoint import CHECKPOINT_FILE, check_schedule_length, other_world, trajectory
@@ -474,12 +473,13 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
     names = score_names(workload, model, device)  # before any epoch seeds its draws
     scaler = grad_scaler(device, config.fp16)
     checkpoint_path = run.out_dir / CHECKPOINT_FILE
-    if config.checkpoint_format == "sharded":  # before any step: every rank writes in the folder
-        shards.check_shared(run.out_dir, rank)
-
-    start_epoch, history, partial = 0, [], None
     # A sharded checkpoint's parts are read once the model is wrapped as it was when they were written.
     resume_shards = run.resume_state is not None and shards.TAG_KEY in run.resume_state
+    if config.checkpoint_format in shards.SHARDED or resume_shards:  # before any step: every rank reads
+        shards.check_shared(run.out_dir, rank)  # and writes in the folder
+    writer = shards.Writer(run.out_dir, rank, config.checkpoint_format)
+
+    start_epoch, history, partial = 0, [], None
     if run.resume_state is not None:  # the same state on every rank: rank 0 read and sent it
         state = run.resume_state
         # The stage refused this before changing anything (train's pick_up); a worker's own disk may
@@ -560,7 +560,7 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
                 grad_accum_steps=config.grad_accum_steps, partial=resumed, scaler=scaler, device=device,
                 epoch=epoch,
                 after_step=step_checkpoints(run, model, wrapped, optimizer, scheduler, scaler, history, epoch, steps,
-                                            lambda: rng_states(rng_devices), started - carried_s, notice))
+                                            lambda: rng_states(rng_devices), started - carried_s, notice, writer))
             train_wall = time.perf_counter() - started + carried_s
             host_record = host.finish()
 
@@ -659,13 +659,14 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
                 wrapped.reshard()
             # The last is whole whatever the format: model.pt gathers the weights now anyway.
             state = checkpoint_state(model, wrapped, optimizer, scheduler, scaler, epoch + 1, history, config, run,
-                                     shard_tag=shards.tag(epoch + 1, 0) if epoch + 1 < config.epochs else None)
+                                     writer, shard_tag=shards.tag(epoch + 1, 0) if epoch + 1 < config.epochs else None)
             if rank.is_main:
                 report_epoch(run.mode, config.epochs, metrics)
-                write_checkpoint(checkpoint_path, state)
+                writer.commit(checkpoint_path, state)
             for hook in run.epoch_hooks:
                 hook(metrics, rank_metrics)
-            crash_if_asked(epoch + 1)
+            crash_if_asked(epoch + 1, settle=writer.wait)
+    writer.wait()
     if config.compile:
         uncompile(model)
         said = f"{run.mode}: torch.compile (train.compile): {graphs_compiled()} graph(s) compiled on rank {rank.rank}"
@@ -684,7 +685,7 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
 
 def step_checkpoints(run: Training, model: nn.Module, wrapped: nn.Module, optimizer, scheduler, scaler,
                      history: list[dict], epoch: int, steps: int, rng: Callable[[], dict], started: float,
-                     notice: Notice | None) -> Callable | None:
+                     notice: Notice | None, writer: shards.Writer) -> Callable | None:
     """run_epoch's `after_step` under train.checkpoint_every_steps (None when 0): every N global steps
     but an epoch's last (its own checkpoint follows), and after the step every rank agreed to stop at
     on a preemption notice, every rank's part of the epoch so far goes into the checkpoint rank 0
@@ -700,33 +701,35 @@ def step_checkpoints(run: Training, model: nn.Module, wrapped: nn.Module, optimi
             return
         parts = all_gather_objects(in_epoch_sums(i + 1, *sums, rng=rng(), wall_s=time.perf_counter() - started), rank)
         state = checkpoint_state(model, wrapped, optimizer, scheduler, scaler, epoch, history, run.config, run,
-                                 shard_tag=shards.tag(epoch, i + 1))
+                                 writer, shard_tag=shards.tag(epoch, i + 1))
         if rank.is_main:
-            write_checkpoint(run.out_dir / CHECKPOINT_FILE,
-                             {**state, "in_epoch": {"world_size": rank.world_size, "ranks": parts}})
-        broadcast_object(None, rank)  # no rank steps on (or is stopped) before the file is whole
+            writer.commit(run.out_dir / CHECKPOINT_FILE,
+                          {**state, "in_epoch": {"world_size": rank.world_size, "ranks": parts}})
+        broadcast_object(None, rank)  # no rank steps on (or is stopped) before the file is whole (or, async, committed)
         if stop:  # ends as the signal would have ended it, but a step later, with nothing lost
+            writer.wait()
             if rank.is_main:
                 said = (f"{run.mode}: {signal.Signals(stop).name}, so training stopped after step {done} (epoch "
                         f"{epoch + 1}, step {i + 1} of {steps}), checkpointed in {run.out_dir / CHECKPOINT_FILE}")
                 log.warning("%s; a resume goes on from the next step", said)
                 say_stopped(said)
             raise SystemExit(128 + stop)
-        crash_if_asked(done, "STEP")
+        crash_if_asked(done, "STEP", settle=writer.wait)
 
     return after_step
 
 
 def checkpoint_state(model: nn.Module, wrapped: nn.Module, optimizer, scheduler, scaler, epochs_done: int,
-                     history: list[dict], config: TrainConfig, run: Training, shard_tag: str | None) -> dict[str, Any]:
+                     history: list[dict], config: TrainConfig, run: Training, writer: shards.Writer,
+                     shard_tag: str | None) -> dict[str, Any]:
     """What a checkpoint holds, made on every rank (a collective: fsdp's gathers its shards) and
-    written by rank 0: the whole model and optimizer state, whatever the mode; or, under
-    train.checkpoint_format: sharded with a `shard_tag`, each rank's part written now by each rank
-    (pipeline.shards) and, in the file, the tag that names them."""
-    if config.checkpoint_format == "sharded" and shard_tag is not None:
-        shards.save(run.out_dir, shard_tag, model, optimizer, rank=run.rank)
-        weights = {"model": None, "optimizer": None, shards.TAG_KEY: shard_tag}
+    written by rank 0: the whole model and optimizer state, whatever the mode; or, in a sharded
+    train.checkpoint_format with a `shard_tag`, each rank's part, which `writer` writes from every
+    rank (pipeline.shards), and, in the file, the tag that names them."""
+    if writer.sharded and shard_tag is not None:
+        weights = writer.parts(shard_tag, model, optimizer)
     else:
+        writer.wait()  # a whole one after sharded ones (the last): their write ends first
         weights = {"model": full_state_dict(model),
                    "optimizer": optimizer.state_dict() if not sharded(wrapped) else whole_optimizer_state(model, optimizer)}
     return {
@@ -741,13 +744,6 @@ def checkpoint_state(model: nn.Module, wrapped: nn.Module, optimizer, scheduler,
         "trajectory": trajectory(config, run.mode, run.workload),
         "extra": run.extra_state,
     }
-
-
-def write_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Rank 0 writes the checkpoint, then removes the sharded parts it does not name (all of them
-    when it is whole): a crash before it is written leaves the previous one as it was."""
-    save_torch(path, state)
-    shards.prune(path.parent, state.get(shards.TAG_KEY))
 
 
 def replicas(run: Training) -> int:
@@ -826,12 +822,14 @@ def without_profiler(walls: tuple[float, ...], overheads: tuple[float, ...], ste
             [None if wall is None else wall - (off if steady_traced else 0.0) for wall, off in zip(steady_walls, own)])
 
 
-def crash_if_asked(count: int, unit: str = "EPOCH") -> None:
+def crash_if_asked(count: int, unit: str = "EPOCH", settle: Callable[[], None] | None = None) -> None:
     """Test hook: MNIST_PIPELINE_CRASH_AFTER_EPOCH=N (or _STEP=N, a global step) kills a first
     attempt right after that epoch's (step's) checkpoint, as a lost node would, so resume can be
-    tested against an uninterrupted run."""
+    tested against an uninterrupted run. `settle`: waits for the checkpoint's write (async)."""
     name = f"MNIST_PIPELINE_CRASH_AFTER_{unit}"
     if os.environ.get(name) == str(count) and not restarted():
+        if settle is not None:
+            settle()
         print(f"crashing after {unit.lower()} {count} ({name})", file=sys.stderr, flush=True)
         os._exit(75)
 

@@ -1,5 +1,6 @@
-"""Sharded checkpoints (`train.checkpoint_format: sharded`): each rank writes its own part of the
-model and optimizer state with torch.distributed.checkpoint, nothing is gathered to rank 0.
+"""Sharded checkpoints (`train.checkpoint_format: sharded`, `sharded-async`): each rank writes its
+own part of the model and optimizer state with torch.distributed.checkpoint, nothing is gathered
+to rank 0; `Writer` writes a training's checkpoints in whichever format.
 
 A whole checkpoint gathers fsdp's shards (and the optimizer state) to rank 0 and writes one file:
 its memory and its write grow with the model. Here every rank writes and reads its part in a
@@ -9,35 +10,126 @@ without the weights), so a crash between the two leaves the previous checkpoint 
 checkpoint names are removed after. The training's last checkpoint is whole again (the weights are
 gathered for model.pt then anyway): the MLflow run's and DVC's copy load anywhere.
 
+`sharded-async` copies each rank's part in memory and writes it in a thread while the training
+goes on (torch.distributed.checkpoint.async_save, over a gloo group of its own, so its collectives
+never interleave with the training's): the step waits for the copy, not the disk. Rank 0 writes
+checkpoint.pt once every part is on disk, so it never names a checkpoint that is not whole; the
+next checkpoint, a preemption's stop and the training's end wait for the write in flight.
+
 The folder must be one every rank sees: one node, or a filesystem the nodes share. Node-local disks
 (whose resume sends rank 0's file to every rank, pipeline.checkpoint.resume_state) cannot hold it:
 `check_shared` finds that at the start, before any step."""
 
 from __future__ import annotations
 
+import copy
 import shutil
 import socket
+import threading
 import uuid
 import warnings
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+import torch.distributed as dist
 from torch import nn
 
+from pipeline.atomic import save_torch
 from pipeline.errors import PipelineError
 from pipeline.parallel import Rank, all_gather_objects, broadcast_object
 
 SHARDS_DIR = "checkpoint-shards"
 TAG_KEY = "shards"  # in checkpoint.pt: the folder under SHARDS_DIR that holds its weights and optimizer state
+RANKS_KEY = "shards_world_size"  # in checkpoint.pt: the ranks that wrote the parts
+SHARDED = ("sharded", "sharded-async")  # the train.checkpoint_format values whose checkpoints are in parts
 
 
 def tag(epochs_done: int, step: int) -> str:
     return f"epoch-{epochs_done}-step-{step}"
 
 
-def save(out_dir: Path, name: str, model: nn.Module, optimizer, rank: Rank) -> None:
-    """Every rank writes its part of the model's and the optimizer's state (a collective)."""
+class Writer:
+    """A training's checkpoints, in train.checkpoint_format: `parts` on every rank (sharded: each
+    writes its own), then `commit` on rank 0 (checkpoint.pt, once the parts are on disk)."""
+
+    def __init__(self, out_dir: Path, rank: Rank, checkpoint_format: str) -> None:
+        self.out_dir, self.rank = out_dir, rank
+        self.sharded = checkpoint_format in SHARDED
+        self.background = checkpoint_format == "sharded-async"
+        self.pending: InFlight | None = None
+        # Made on every rank, in the same order as the training's other groups (a collective).
+        self.group = dist.new_group(backend="gloo") if self.background and dist.is_initialized() else None
+
+    def parts(self, name: str, model: nn.Module, optimizer) -> dict[str, Any]:
+        """Every rank: its part of the model's and the optimizer's state, written now or (async)
+        copied now and written in a thread; what checkpoint.pt says of them."""
+        self.wait()  # one write in flight at most, in order
+        upload = save(self.out_dir, name, model, optimizer, self.rank, self.group, self.background)
+        if upload is not None:
+            self.pending = InFlight(upload, self.out_dir / SHARDS_DIR / name)
+        return {"model": None, "optimizer": None, TAG_KEY: name, RANKS_KEY: self.rank.world_size}
+
+    def commit(self, path: Path, state: dict[str, Any]) -> None:
+        """Rank 0: the checkpoint file, at once or (async) when the parts it names are all on disk."""
+        if self.pending is None:
+            write_checkpoint(path, state)
+        else:
+            kept = copy.deepcopy(state)  # as it is now: the training goes on changing its history
+            self.pending.then(lambda: write_checkpoint(path, kept))
+
+    def wait(self) -> None:
+        """Every rank: the write in flight is on disk (and, on rank 0, the file that names it), or
+        its error raised here."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait()
+
+
+class InFlight:
+    """An asynchronous write, and what rank 0 does once it is done, with its error kept for `wait`."""
+
+    def __init__(self, upload: Future, folder: Path) -> None:
+        self.upload, self.folder, self.done, self.error = upload, folder, threading.Event(), None
+        self.done.set()  # nothing to do after it yet
+
+    def then(self, action: Callable[[], None]) -> None:
+        self.done.clear()
+
+        def run(upload: Future) -> None:  # in the writer's thread, or here if it is done already
+            try:
+                if upload.exception() is None:
+                    action()
+            except BaseException as exc:  # kept for wait(): a callback's exception would be lost
+                self.error = exc
+            finally:
+                self.done.set()
+
+        self.upload.add_done_callback(run)
+
+    def wait(self) -> None:
+        with said_in_one_line(self.folder, "written"):
+            self.upload.result()  # the write's own error, if any
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+def write_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Rank 0 writes the checkpoint, then removes the sharded parts it does not name (all of them
+    when it is whole): a crash before it is written leaves the previous one as it was."""
+    save_torch(path, state)
+    prune(path.parent, state.get(TAG_KEY))
+
+
+def save(out_dir: Path, name: str, model: nn.Module, optimizer, rank: Rank, group=None,
+         background: bool = False) -> Future | None:
+    """Every rank writes its part of the model's and the optimizer's state (a collective), or
+    (`background`) copies it and returns the write's future. A tensor every rank holds alike is
+    written by rank 0, as a whole checkpoint holds it: DDP's and fsdp's BatchNorm statistics
+    differ by rank between the forwards that send rank 0's to the others, and torch's default
+    would keep whichever rank's had written least."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -45,25 +137,54 @@ def save(out_dir: Path, name: str, model: nn.Module, optimizer, rank: Rank) -> N
     folder = out_dir / SHARDS_DIR / name
     if rank.is_main:  # a crashed write of the same step, before its checkpoint.pt named it (no rank
         shutil.rmtree(folder, ignore_errors=True)  # writes before rank 0 has joined the save's first collective)
-    with one_process_quiet():
-        dcp.save({"model": weights, "optimizer": optimizer_state}, checkpoint_id=folder)
+    parts = {"model": weights, "optimizer": optimizer_state}
+    planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    with one_process_quiet(), said_in_one_line(folder, "written"):
+        if background:  # the copy is made before it returns: the next step may change the weights
+            return dcp.async_save(parts, checkpoint_id=folder, process_group=group, planner=planner)
+        dcp.save(parts, checkpoint_id=folder, planner=planner)
+    return None
 
 
 def load(out_dir: Path, state: dict[str, Any], model: nn.Module, optimizer) -> None:
     """Every rank reads its part of the checkpoint `state` names into the model and the optimizer,
     which are wrapped (and sharded) as they were when it was written (a collective)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
 
     folder = out_dir / SHARDS_DIR / state[TAG_KEY]
     if not (folder / ".metadata").is_file():
         raise PipelineError(f"{out_dir / 'checkpoint.pt'} names the sharded checkpoint {folder}, which is not there "
                             "(or not whole): restore it, or delete checkpoint.pt and train afresh")
-    weights, optimizer_state = get_state_dict(model, optimizer)  # the shapes and shards to read into
+    # The shapes and shards to read into. Asked of a fresh optimizer, torch makes state for every
+    # parameter (a step at lr 0); the checkpoint has none for a parameter that never had a gradient
+    # (fp16's skipped steps, a frozen layer), and the optimizer gets none for it either.
+    weights, optimizer_state = get_state_dict(model, optimizer)
+    with said_in_one_line(folder, "read"):
+        saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    optimizer_state["state"] = {name: values for name, values in optimizer_state["state"].items()
+                                if any(key.startswith(f"optimizer.state.{name}.") for key in saved)}
     parts = {"model": weights, "optimizer": optimizer_state}
-    with one_process_quiet():
+    with one_process_quiet(), said_in_one_line(folder, "read"):
         dcp.load(parts, checkpoint_id=folder)
-    set_state_dict(model, optimizer, model_state_dict=parts["model"], optim_state_dict=parts["optimizer"])
+    set_model_state_dict(model, parts["model"])
+    set_optimizer_state_dict(model, optimizer, parts["optimizer"], options=StateDictOptions(strict=False))
+
+
+@contextmanager
+def said_in_one_line(folder: Path, done: str) -> Iterator[None]:
+    """torch.distributed.checkpoint's errors (a full disk, a missing part) as one line naming the
+    folder: they derive from BaseException, past every `except Exception` (a traceback per rank)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        first = next(iter(exc.failures.values()), exc) if getattr(exc, "failures", None) else exc
+        raise PipelineError(f"{folder}: the sharded checkpoint could not be {done} "
+                            f"({str(first).strip().splitlines()[-1] if str(first).strip() else type(first).__name__})"
+                            ) from None
 
 
 @contextmanager
@@ -93,11 +214,16 @@ def check_shared(out_dir: Path, rank: Rank) -> None:
     if rank.world_size == 1:
         return
     # Each rank looks in its own out_dir (the same path on every node) for the name rank 0 wrote there.
-    name = broadcast_object(f".shared-{uuid.uuid4().hex}" if rank.is_main else None, rank)
+    name, failed = f".shared-{uuid.uuid4().hex}", None
     if rank.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / name).write_text("written by rank 0\n")
-    broadcast_object(None, rank)  # written before any rank looks
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / name).write_text("written by rank 0\n")
+        except OSError as exc:  # said on every rank, not waited for by the others
+            failed = f"{out_dir}: {exc.strerror or exc}"
+    name, failed = broadcast_object((name, failed), rank)
+    if failed:
+        raise PipelineError(f"train.checkpoint_format: rank 0 could not write in {failed}")
     seen = all_gather_objects(((out_dir / name).is_file(), socket.gethostname(), str(out_dir)), rank)
     if rank.is_main:
         (out_dir / name).unlink(missing_ok=True)

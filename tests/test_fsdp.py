@@ -179,9 +179,13 @@ def hybrid_rank(r: int, world: int, out) -> None:
 
 def sharded_checkpoint_round_trip(rank: Rank, folder, cfg) -> None:
     """train.checkpoint_format: sharded under the 2-D mesh: each rank writes its part of a model
-    stepped once, and another model (other weights) reads them back; then both step again alike."""
+    stepped once, and another model (other weights) reads them back; then both step again alike.
+    A buffer that differs by rank (BatchNorm's statistics between two forwards) is rank 0's, as in
+    a whole checkpoint."""
     def built(seed: int):
         model, _, _ = build(dataclasses.replace(cfg, seed=seed), 10, torch.device("cpu"))
+        for i in range(4):  # several, so that torch's planner would spread them over the ranks
+            model.register_buffer(f"rank_statistic_{i}", torch.full((1000 * (i + 1),), float(rank.rank + seed)))
         wrapped = wrap_for_mode(model, cfg, torch.device("cpu"), "fsdp", nodes=2)
         return model, wrapped, build_optimizer(wrapped.parameters(), cfg)
 
@@ -192,7 +196,9 @@ def sharded_checkpoint_round_trip(rank: Rank, folder, cfg) -> None:
     shards.save(folder, "stepped-once", model, optimizer, rank=rank)
     other, other_wrapped, other_optimizer = built(cfg.seed + 1)
     shards.load(folder, {shards.TAG_KEY: "stepped-once"}, other, other_optimizer)
-    read = all(torch.equal(a, b) for a, b in zip(full_parameters(model), full_parameters(other)))
+    read = all(torch.equal(a, b) for a, b in zip(full_parameters(model), full_parameters(other))) \
+        and all(torch.equal(buffer, torch.full_like(buffer, float(cfg.seed))) for name, buffer in other.named_buffers()
+                if name.startswith("rank_statistic"))
     for module, step in ((wrapped, optimizer), (other_wrapped, other_optimizer)):
         step.zero_grad()
         module(inputs).sum().backward()

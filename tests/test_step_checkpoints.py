@@ -2,7 +2,8 @@
 goes on from the next step and ends with the uninterrupted training's weights and epoch metrics,
 bit for bit, on one device and on 3 DDP or FSDP ranks (gloo), with dropout drawing from restored random
 states; with whole checkpoints (rank 0 writes one file, the ranks' disks their own) and with sharded
-ones (`train.checkpoint_format: sharded`: each rank writes its part in a folder they share). The trainings are the pipeline's own loop in processes of their own, killed by its crash
+ones (`train.checkpoint_format: sharded`: each rank writes its part in a folder they share;
+`sharded-async`: in a thread, while the training goes on). The trainings are the pipeline's own loop in processes of their own, killed by its crash
 hook right after a step's checkpoint (tests/ddp_harness.py); the stage's path, torchrun's restart
 included, is tests/test_train_modes.py's odd-world-size resume."""
 
@@ -66,7 +67,8 @@ def trainer(r: int, world: int, out, phases: tuple[str, ...], mode: str, checkpo
 
 
 @pytest.mark.parametrize("world, mode, checkpoints", [(1, "single", "whole"), (3, "ddp", "whole"), (3, "fsdp", "whole"),
-                                                      (3, "ddp", "sharded"), (3, "fsdp", "sharded")])
+                                                      (3, "ddp", "sharded"), (3, "fsdp", "sharded"),
+                                                      (1, "single", "sharded-async"), (3, "fsdp", "sharded-async")])
 def test_a_training_killed_mid_epoch_resumes_bit_for_bit(tmp_path, world, mode, checkpoints):
     # The uninterrupted training runs first in the processes that are then killed: a start of
     # `world` processes fewer (each imports torch and the pipeline, most of their cost). The resume
@@ -77,7 +79,7 @@ def test_a_training_killed_mid_epoch_resumes_bit_for_bit(tmp_path, world, mode, 
     saved = read_checkpoint(folder / CHECKPOINT_FILE)
     assert (saved["epoch"], in_epoch_step(saved)) == (1, KILLED_AFTER - 10)
     assert saved["in_epoch"]["world_size"] == world and len(saved["in_epoch"]["ranks"]) == world
-    if checkpoints == "sharded":  # no weights in the file: each rank's part in the folder it names, the older gone
+    if checkpoints != "whole":  # no weights in the file: each rank's part in the folder it names, the older gone
         assert saved["model"] is None and saved["optimizer"] is None
         assert [path.name for path in (folder / shards.SHARDS_DIR).iterdir()] == [saved[shards.TAG_KEY]]
         parts = sorted(path.name for path in (folder / shards.SHARDS_DIR / saved[shards.TAG_KEY]).glob("*.distcp"))
@@ -113,6 +115,12 @@ def test_a_mid_epoch_checkpoint_resumes_only_at_its_world_size(tmp_path):
         in_epoch_part(state, Rank(0, 0, 2, 2), tmp_path / CHECKPOINT_FILE)
     # What `dvc repro` says when it would continue the training: it starts afresh instead, saying why.
     assert re.search(refusal, other_world(state, 2, tmp_path / CHECKPOINT_FILE))
+    # Parts of the weights written by 3 ranks are read back by 3, even at an epoch's end.
+    parts = {"epoch": 1, shards.TAG_KEY: shards.tag(1, 0), shards.RANKS_KEY: 3}
+    assert other_world(parts, 3, tmp_path / CHECKPOINT_FILE) is None
+    assert re.search(r"checkpoint.pt: its weights and optimizer state are in parts written by 3 ranks \(train."
+                     r"checkpoint_format: sharded\), and this training would have 2: set train.nproc \(and "
+                     r"train.nodes\) back to make 3", other_world(parts, 2, tmp_path / CHECKPOINT_FILE))
 
 
 @pytest.mark.fast
@@ -167,5 +175,58 @@ def test_a_sharded_checkpoint_reads_back_what_was_written_and_keeps_only_the_one
                                                for i in saved for key in saved[i])
     with pytest.raises(PipelineError, match=r"names the sharded checkpoint .*epoch-2-step-1, which is not there"):
         shards.load(tmp_path, {shards.TAG_KEY: shards.tag(2, 1)}, other, other_optimizer)
+    # A part gone: one line naming the folder (torch's error is a BaseException, a traceback per rank).
+    next((tmp_path / shards.SHARDS_DIR / "epoch-1-step-6").glob("*.distcp")).unlink()
+    with pytest.raises(PipelineError, match=r"epoch-1-step-6: the sharded checkpoint could not be read \(.+\)$"):
+        shards.load(tmp_path, {shards.TAG_KEY: shards.tag(1, 6)}, other, other_optimizer)
     shards.prune(tmp_path, None)  # a whole checkpoint names none
     assert not (tmp_path / shards.SHARDS_DIR).exists()
+
+
+@pytest.mark.fast
+def test_a_sharded_checkpoint_of_parameters_without_optimizer_state_reads_back_as_it_was(tmp_path):
+    """A parameter the optimizer never stepped (fp16's skipped steps, a frozen layer) has no state
+    in the checkpoint: the optimizer that reads it back has none for it either (torch makes state
+    for every parameter of a fresh one, which its reader then misses)."""
+    cfg = TrainConfig()
+    model, optimizer, _ = build(cfg, 10, torch.device("cpu"))
+    model(torch.rand(4, 1, 28, 28)).sum().backward()
+    for parameter in list(model.parameters())[:-2]:  # only the last layer steps
+        parameter.grad = None
+    optimizer.step()
+    shards.save(tmp_path, "partial", model, optimizer, rank=Rank())
+    other, other_optimizer, _ = build(dataclasses.replace(cfg, seed=7), 10, torch.device("cpu"))
+    shards.load(tmp_path, {shards.TAG_KEY: "partial"}, other, other_optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    saved, read = optimizer.state_dict()["state"], other_optimizer.state_dict()["state"]
+    assert len(saved) == 2 and saved.keys() == read.keys()
+    assert all(torch.equal(saved[i][key], read[i][key]) for i in saved for key in saved[i])
+
+
+@pytest.mark.fast
+def test_an_asynchronous_checkpoint_is_named_only_once_its_parts_are_written_and_its_errors_are_raised(tmp_path):
+    """shards.Writer in `sharded-async`: the file naming the parts is written when they are on disk
+    (wait() returns after both), the parts of older checkpoints then removed, and an error in the
+    file's write reaches wait() rather than the writer's thread."""
+    cfg = dataclasses.replace(TrainConfig(), checkpoint_format="sharded-async")
+    model, optimizer, _ = build(cfg, 10, torch.device("cpu"))
+    writer = shards.Writer(tmp_path, Rank(), cfg.checkpoint_format)
+    for step in (4, 8):
+        writer.parts(shards.tag(0, step), model, optimizer)
+        writer.commit(tmp_path / CHECKPOINT_FILE, {"step": step, shards.TAG_KEY: shards.tag(0, step)})
+        copied = next(model.parameters()).detach().clone()
+        with torch.no_grad():  # the next step changes the weights while the write may still run
+            next(model.parameters()).add_(1.0)
+    writer.wait()
+    assert torch.load(tmp_path / CHECKPOINT_FILE, weights_only=True)["step"] == 8
+    assert [path.name for path in (tmp_path / shards.SHARDS_DIR).iterdir()] == ["epoch-0-step-8"]
+    written, written_optimizer, _ = build(dataclasses.replace(cfg, seed=3), 10, torch.device("cpu"))
+    shards.load(tmp_path, {shards.TAG_KEY: shards.tag(0, 8)}, written, written_optimizer)
+    assert torch.equal(next(written.parameters()), copied)  # as it was when copied, not as it is now
+    assert not torch.equal(copied, next(model.parameters()))
+
+    writer.parts(shards.tag(1, 0), model, optimizer)
+    (tmp_path / "a-file").write_text("")  # no folder can be made there: the file's write fails
+    writer.commit(tmp_path / "a-file" / CHECKPOINT_FILE, {shards.TAG_KEY: shards.tag(1, 0)})
+    with pytest.raises(Exception, match="a-file"):
+        writer.wait()
