@@ -52,7 +52,9 @@ def test_a_preempted_training_stops_checkpointed_and_resumes_in_its_runs(tmp_pat
     `--resume` ends with an uninterrupted training's weights in the same MLflow runs. The periodic
     checkpoint (every 1000 steps) never comes: the notice's checkpoint is the only one mid-epoch. The
     preempted and resumed training reads its samples through DataLoaders (train.loader, #53), whose
-    workers the notice must not stop; the reference holds them in memory."""
+    workers the notice must not stop, and writes its checkpoints in parts, in a thread
+    (train.checkpoint_format: sharded-async), whose write the stop waits for; the reference holds
+    its samples in memory and writes whole checkpoints."""
     # Here, not at the top: run_ranks' spawned ranks import this module, and need no MLflow.
     from mlflow import MlflowClient
 
@@ -65,7 +67,8 @@ def test_a_preempted_training_stops_checkpointed_and_resumes_in_its_runs(tmp_pat
     first_runs = json.loads(ids_file.read_text())
 
     loaded = tmp_path / "loaded.yaml"
-    loaded.write_text((project / "params.yaml").read_text().replace("loader: memory", "loader: dataloader"))
+    loaded.write_text((project / "params.yaml").read_text().replace("loader: memory", "loader: dataloader")
+                      .replace("checkpoint_format: whole", "checkpoint_format: sharded-async"))
     with subprocess.Popen(["mnist-pipeline", "train", "--mode", "ddp", "--params", str(loaded)], cwd=project,
                           stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True, env=subprocess_env(**project_env(project))) as proc:
@@ -82,6 +85,7 @@ def test_a_preempted_training_stops_checkpointed_and_resumes_in_its_runs(tmp_pat
     assert "read from data/prepared by DataLoaders" in stderr
     state = read_checkpoint(project / "models" / "ddp" / CHECKPOINT_FILE)
     assert state["epoch"] >= 1 and 0 < in_epoch_step(state) <= 10, (state["epoch"], in_epoch_step(state))
+    assert state["model"] is None and (project / "models/ddp/checkpoint-shards" / state["shards"] / ".metadata").is_file()
     runs = json.loads(ids_file.read_text())
     assert runs != first_runs  # a training of its own, not the reference's
 
@@ -90,6 +94,7 @@ def test_a_preempted_training_stops_checkpointed_and_resumes_in_its_runs(tmp_pat
     assert torch.equal(torch.cat([w.flatten() for w in reference.values()]),
                        torch.cat([w.flatten() for w in load_weights(project, "ddp").values()]))
     assert json.loads(ids_file.read_text()) == runs  # the same runs, continued
+    assert not (project / "models/ddp/checkpoint-shards").exists()  # the last checkpoint is whole
     client = MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     assert client.get_run(runs["parent"]).info.status == "FINISHED"
     assert {m.step for m in client.get_metric_history(runs["parent"], "train_loss")} == {1, 2, 3, 4}
