@@ -66,9 +66,11 @@ def trainer(r: int, world: int, out, phases: tuple[str, ...], mode: str, checkpo
             torch.save({"weights": model.state_dict(), "history": history}, out / f"{phase}.pt")
 
 
+# Sharded: ddp's parts written at once, fsdp's in a thread, and one device's (no process group) in a
+# thread; fsdp's at once under hybrid sharding's mesh: tests/test_fsdp.py.
 @pytest.mark.parametrize("world, mode, checkpoints", [(1, "single", "whole"), (3, "ddp", "whole"), (3, "fsdp", "whole"),
-                                                      (3, "ddp", "sharded"), (3, "fsdp", "sharded"),
-                                                      (1, "single", "sharded-async"), (3, "fsdp", "sharded-async")])
+                                                      (3, "ddp", "sharded"), (1, "single", "sharded-async"),
+                                                      (3, "fsdp", "sharded-async")])
 def test_a_training_killed_mid_epoch_resumes_bit_for_bit(tmp_path, world, mode, checkpoints):
     # The uninterrupted training runs first in the processes that are then killed: a start of
     # `world` processes fewer (each imports torch and the pipeline, most of their cost). The resume
