@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.parallel import Rank
+from pipeline.parallel import PROCESS_GROUP_TIMEOUT, Rank
 
 NOTICES = (signal.SIGTERM, signal.SIGUSR1)
 # Set by deploy/slurm/train.sbatch: the file rank 0 writes when the training stopped for a notice,
@@ -41,7 +41,7 @@ class Notice:
     def __init__(self, rank: Rank):
         self.signum = 0
         # Its own group: a CPU tensor under NCCL too, and its collectives never queue behind DDP's.
-        self.group = dist.new_group(backend="gloo") if rank.world_size > 1 else None
+        self.group = dist.new_group(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT) if rank.world_size > 1 else None
         self.in_flight: tuple[torch.Tensor, dist.Work] | None = None
         self.previous: dict[int, object] = {}
 

@@ -26,6 +26,7 @@ import copy
 import shutil
 import socket
 import threading
+import traceback
 import uuid
 import warnings
 from concurrent.futures import Future
@@ -38,7 +39,7 @@ from torch import nn
 
 from pipeline.atomic import save_torch
 from pipeline.errors import PipelineError
-from pipeline.parallel import Rank, all_gather_objects, broadcast_object
+from pipeline.parallel import PROCESS_GROUP_TIMEOUT, Rank, all_gather_objects, broadcast_object
 
 SHARDS_DIR = "checkpoint-shards"
 TAG_KEY = "shards"  # in checkpoint.pt: the folder under SHARDS_DIR that holds its weights and optimizer state
@@ -60,7 +61,8 @@ class Writer:
         self.background = checkpoint_format == "sharded-async"
         self.pending: InFlight | None = None
         # Made on every rank, in the same order as the training's other groups (a collective).
-        self.group = dist.new_group(backend="gloo") if self.background and dist.is_initialized() else None
+        self.group = dist.new_group(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT) \
+            if self.background and dist.is_initialized() else None
 
     def parts(self, name: str, model: nn.Module, optimizer) -> dict[str, Any]:
         """Every rank: its part of the model's and the optimizer's state, written now or (async)
@@ -80,11 +82,21 @@ class Writer:
             self.pending.then(lambda: write_checkpoint(path, kept))
 
     def wait(self) -> None:
-        """Every rank: the write in flight is on disk (and, on rank 0, the file that names it), or
-        its error raised here."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.wait()
+        """Every rank: the write in flight is on disk, and so is the file rank 0 writes to name it,
+        before any rank goes on (or stops); or the first rank's error, one line on every rank."""
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        error = pending.wait()
+        said = [None] * self.rank.world_size
+        if self.group is not None:  # the ranks call wait() at the same points: one exchange each time
+            dist.all_gather_object(said, one_line(error) if error else None, group=self.group)
+        else:
+            said = [one_line(error) if error else None]
+        failed = next(((r, line) for r, line in enumerate(said) if line), None)
+        if failed is not None:
+            r, line = failed
+            raise PipelineError(line if r == self.rank.rank else f"rank {r}: {line}")
 
 
 class InFlight:
@@ -108,12 +120,16 @@ class InFlight:
 
         self.upload.add_done_callback(run)
 
-    def wait(self) -> None:
-        with said_in_one_line(self.folder, "written"):
-            self.upload.result()  # the write's own error, if any
+    def wait(self) -> BaseException | None:
+        """The write's error (or, on rank 0, the file's), once both are done; None if none."""
+        try:
+            with said_in_one_line(self.folder, "written"):
+                self.upload.result()
+        except Exception as exc:  # a peer gone mid-write: gloo's own error
+            return exc if isinstance(exc, PipelineError) else PipelineError(
+                f"{self.folder}: the sharded checkpoint could not be written ({one_line(exc)})")
         self.done.wait()
-        if self.error is not None:
-            raise self.error
+        return self.error
 
 
 def write_checkpoint(path: Path, state: dict[str, Any]) -> None:
@@ -141,7 +157,10 @@ def save(out_dir: Path, name: str, model: nn.Module, optimizer, rank: Rank, grou
     planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     with one_process_quiet(), said_in_one_line(folder, "written"):
         if background:  # the copy is made before it returns: the next step may change the weights
-            return dcp.async_save(parts, checkpoint_id=folder, process_group=group, planner=planner)
+            # A storage writer that stages the copy itself: the thread then makes no CUDA call (by
+            # default it reads ahead on the current stream, cuda:0 in a thread of its own).
+            return dcp.async_save(parts, checkpoint_id=folder, storage_writer=dcp.FileSystemWriter(folder),
+                                  process_group=group, planner=planner, no_dist=not dist.is_initialized())
         dcp.save(parts, checkpoint_id=folder, planner=planner)
     return None
 
@@ -181,10 +200,17 @@ def said_in_one_line(folder: Path, done: str) -> Iterator[None]:
     try:
         yield
     except CheckpointException as exc:
-        first = next(iter(exc.failures.values()), exc) if getattr(exc, "failures", None) else exc
-        raise PipelineError(f"{folder}: the sharded checkpoint could not be {done} "
-                            f"({str(first).strip().splitlines()[-1] if str(first).strip() else type(first).__name__})"
-                            ) from None
+        # Its failures: each rank's (exception, stack summary).
+        first = next(iter(exc.failures.values()), None) if getattr(exc, "failures", None) else None
+        error = first[0] if isinstance(first, tuple) else first if isinstance(first, BaseException) else exc
+        raise PipelineError(f"{folder}: the sharded checkpoint could not be {done} ({one_line(error)})") from None
+
+
+def one_line(error: BaseException) -> str:
+    """An error as the last line Python would print for it (a PipelineError: its message)."""
+    if isinstance(error, PipelineError):
+        return str(error)
+    return traceback.format_exception_only(type(error), error)[-1].strip()
 
 
 @contextmanager
