@@ -47,6 +47,11 @@ RANKS_KEY = "shards_world_size"  # in checkpoint.pt: the ranks that wrote the pa
 SHARDED = ("sharded", "sharded-async")  # the train.checkpoint_format values whose checkpoints are in parts
 
 
+# Without a process group (single, dp) torch.distributed.checkpoint reads and writes in one process,
+# as meant here, and warns that it assumes so on every checkpoint, from the writer's thread too.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
 def tag(epochs_done: int, step: int) -> str:
     return f"epoch-{epochs_done}-step-{step}"
 
@@ -155,12 +160,12 @@ def save(out_dir: Path, name: str, model: nn.Module, optimizer, rank: Rank, grou
         shutil.rmtree(folder, ignore_errors=True)  # writes before rank 0 has joined the save's first collective)
     parts = {"model": weights, "optimizer": optimizer_state}
     planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-    with one_process_quiet(), said_in_one_line(folder, "written"):
+    with said_in_one_line(folder, "written"):
         if background:  # the copy is made before it returns: the next step may change the weights
             # A storage writer that stages the copy itself: the thread then makes no CUDA call (by
             # default it reads ahead on the current stream, cuda:0 in a thread of its own).
             return dcp.async_save(parts, checkpoint_id=folder, storage_writer=dcp.FileSystemWriter(folder),
-                                  process_group=group, planner=planner, no_dist=not dist.is_initialized())
+                                  process_group=group, planner=planner)
         dcp.save(parts, checkpoint_id=folder, planner=planner)
     return None
 
@@ -185,7 +190,7 @@ def load(out_dir: Path, state: dict[str, Any], model: nn.Module, optimizer) -> N
     optimizer_state["state"] = {name: values for name, values in optimizer_state["state"].items()
                                 if any(key.startswith(f"optimizer.state.{name}.") for key in saved)}
     parts = {"model": weights, "optimizer": optimizer_state}
-    with one_process_quiet(), said_in_one_line(folder, "read"):
+    with said_in_one_line(folder, "read"):
         dcp.load(parts, checkpoint_id=folder)
     set_model_state_dict(model, parts["model"])
     set_optimizer_state_dict(model, optimizer, parts["optimizer"], options=StateDictOptions(strict=False))
@@ -211,15 +216,6 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, PipelineError):
         return str(error)
     return traceback.format_exception_only(type(error), error)[-1].strip()
-
-
-@contextmanager
-def one_process_quiet() -> Iterator[None]:
-    """Without a process group (single, dp) torch.distributed.checkpoint reads and writes in this
-    process alone, as meant, and warns that it assumes so on every checkpoint: not said."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
 
 
 def prune(out_dir: Path, kept: str | None) -> None:
