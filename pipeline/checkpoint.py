@@ -13,7 +13,7 @@ from pipeline.config import TrainConfig, WorkloadConfig
 from pipeline.errors import PipelineError
 from pipeline.parallel import Rank, all_gather_objects, broadcast_object
 from pipeline.record import code_file_digests, file_digest
-from pipeline.shards import RANKS_KEY
+from pipeline.shards import RANKS_KEY, SHARDS_DIR, TAG_KEY
 from pipeline.workloads import full_init_args
 from pipeline.unfinished import UNFINISHED_FILE
 
@@ -226,4 +226,6 @@ def why_not_continue(out_dir: Path, record: dict, expected: dict[str, Any], inpu
     details = settings_changed(state, expected)
     if details:
         return f"its settings changed ({details})"
+    if state.get(TAG_KEY) and not (out_dir / SHARDS_DIR / state[TAG_KEY] / ".metadata").is_file():
+        return f"{out_dir / SHARDS_DIR / state[TAG_KEY]}, where its weights are, is gone or not whole"
     return other_world(state, world_size, path)

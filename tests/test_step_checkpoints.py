@@ -18,7 +18,8 @@ import torch
 import torch.multiprocessing as mp
 
 from pipeline import shards
-from pipeline.checkpoint import CHECKPOINT_FILE, in_epoch_step, other_world, read_checkpoint, resume_state, trajectory
+from pipeline.checkpoint import (CHECKPOINT_FILE, in_epoch_step, inputs_snapshot, other_world, read_checkpoint, resume_state,
+                                 trajectory, why_not_continue)
 from pipeline.config import TrainConfig
 from pipeline.errors import PipelineError
 from pipeline.loop import Training, build, in_epoch_part, train
@@ -257,3 +258,22 @@ def test_an_asynchronous_checkpoint_that_fails_on_rank_0_is_one_line_on_every_ra
     said = [(tmp_path / f"said-{r}.txt").read_text() for r in range(2)]
     assert "a-file" in said[0] and "\n" not in said[0]
     assert said[1] == f"rank 0: {said[0]}"
+
+
+@pytest.mark.fast
+def test_an_interrupted_training_whose_parts_are_gone_starts_afresh_saying_so(tmp_path):
+    """`dvc repro` after a stop: a checkpoint.pt whose sharded parts were deleted (or never
+    finished) is not continued, the reason said, rather than failing in every worker."""
+    cfg = TrainConfig()
+    expected = trajectory(cfg, "ddp")
+    (tmp_path / "code").mkdir()
+    inputs = inputs_snapshot(tmp_path / "data", [tmp_path / "code"])
+    state = {"model": None, "optimizer": None, "scheduler": {}, "epoch": 1, "history": [], "trajectory": expected,
+             shards.TAG_KEY: shards.tag(1, 0), shards.RANKS_KEY: 2}
+    torch.save(state, tmp_path / CHECKPOINT_FILE)
+    record, settings = {"inputs": inputs, "settings": {"train.lr": 0.02}}, {"train.lr": 0.02}
+    why = why_not_continue(tmp_path, record, expected, inputs, settings, world_size=2)
+    assert why == f"{tmp_path / shards.SHARDS_DIR / 'epoch-1-step-0'}, where its weights are, is gone or not whole"
+    (tmp_path / shards.SHARDS_DIR / "epoch-1-step-0").mkdir(parents=True)
+    (tmp_path / shards.SHARDS_DIR / "epoch-1-step-0" / ".metadata").write_bytes(b"")
+    assert why_not_continue(tmp_path, record, expected, inputs, settings, world_size=2) is None
