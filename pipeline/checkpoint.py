@@ -13,7 +13,7 @@ from pipeline.config import TrainConfig, WorkloadConfig
 from pipeline.errors import PipelineError
 from pipeline.parallel import Rank, all_gather_objects, broadcast_object
 from pipeline.record import code_file_digests, file_digest
-from pipeline.shards import RANKS_KEY, SHARDS_DIR, TAG_KEY
+from pipeline.shards import RANKS_KEY, SHARDS_DIR, TAG_KEY, complete as shards_complete
 from pipeline.workloads import full_init_args
 from pipeline.unfinished import UNFINISHED_FILE
 
@@ -128,7 +128,7 @@ def other_world(state: dict[str, Any], world_size: int | None, path: Path) -> st
     parts = state.get(RANKS_KEY)
     if parts and world_size is not None and parts != world_size:  # read back by as many (resharding: untested)
         return (f"{path}: its weights and optimizer state are in parts written by {parts} ranks "
-                f"(train.checkpoint_format: sharded), and this training would have {world_size}: set train.nproc "
+                f"(a sharded checkpoint), and this training would have {world_size}: set train.nproc "
                 f"(and train.nodes) back to make {parts}, or delete it and train afresh")
     if not in_epoch or world_size is None or in_epoch["world_size"] == world_size:
         return None
@@ -226,6 +226,6 @@ def why_not_continue(out_dir: Path, record: dict, expected: dict[str, Any], inpu
     details = settings_changed(state, expected)
     if details:
         return f"its settings changed ({details})"
-    if state.get(TAG_KEY) and not (out_dir / SHARDS_DIR / state[TAG_KEY] / ".metadata").is_file():
+    if state.get(TAG_KEY) and not shards_complete(out_dir / SHARDS_DIR / state[TAG_KEY]):
         return f"{out_dir / SHARDS_DIR / state[TAG_KEY]}, where its weights are, is gone or not whole"
     return other_world(state, world_size, path)

@@ -476,7 +476,9 @@ def train(run: Training, train_split: Data, val_split: Data) -> tuple[nn.Module,
     # A sharded checkpoint's parts are read once the model is wrapped as it was when they were written.
     resume_shards = run.resume_state is not None and shards.TAG_KEY in run.resume_state
     if config.checkpoint_format in shards.SHARDED or resume_shards:  # before any step: every rank reads
-        shards.check_shared(run.out_dir, rank)  # and writes in the folder
+        shards.check_shared(run.out_dir, rank,  # and writes in the folder
+                            f"train.checkpoint_format: {config.checkpoint_format}" if config.checkpoint_format
+                            in shards.SHARDED else f"resuming {run.out_dir / CHECKPOINT_FILE}, a sharded checkpoint,")
     writer = shards.Writer(run.out_dir, rank, config.checkpoint_format)
 
     start_epoch, history, partial = 0, [], None

@@ -178,7 +178,7 @@ def load(out_dir: Path, state: dict[str, Any], model: nn.Module, optimizer) -> N
                                                          set_optimizer_state_dict)
 
     folder = out_dir / SHARDS_DIR / state[TAG_KEY]
-    if not (folder / ".metadata").is_file():
+    if not complete(folder):
         raise PipelineError(f"{out_dir / 'checkpoint.pt'} names the sharded checkpoint {folder}, which is not there "
                             "(or not whole): restore it, or delete checkpoint.pt and train afresh")
     # The shapes and shards to read into. Asked of a fresh optimizer, torch makes state for every
@@ -194,6 +194,12 @@ def load(out_dir: Path, state: dict[str, Any], model: nn.Module, optimizer) -> N
         dcp.load(parts, checkpoint_id=folder)
     set_model_state_dict(model, parts["model"])
     set_optimizer_state_dict(model, optimizer, parts["optimizer"], options=StateDictOptions(strict=False))
+
+
+def complete(folder: Path) -> bool:
+    """Whether a sharded checkpoint's folder is whole: torch.distributed.checkpoint writes its
+    `.metadata` last, once every rank's part is written."""
+    return (folder / ".metadata").is_file()
 
 
 @contextmanager
@@ -230,9 +236,9 @@ def prune(out_dir: Path, kept: str | None) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def check_shared(out_dir: Path, rank: Rank) -> None:
+def check_shared(out_dir: Path, rank: Rank, needed_by: str) -> None:
     """Every rank sees the file rank 0 writes in `out_dir`, else one line naming the first rank that
-    does not, on every rank (a collective)."""
+    does not, and `needed_by` (what needs a shared folder), on every rank (a collective)."""
     if rank.world_size == 1:
         return
     # Each rank looks in its own out_dir (the same path on every node) for the name rank 0 wrote there.
@@ -245,7 +251,7 @@ def check_shared(out_dir: Path, rank: Rank) -> None:
             failed = f"{out_dir}: {exc.strerror or exc}"
     name, failed = broadcast_object((name, failed), rank)
     if failed:
-        raise PipelineError(f"train.checkpoint_format: rank 0 could not write in {failed}")
+        raise PipelineError(f"{needed_by}: rank 0 could not write in {failed}")
     seen = all_gather_objects(((out_dir / name).is_file(), socket.gethostname(), str(out_dir)), rank)
     if rank.is_main:
         (out_dir / name).unlink(missing_ok=True)
@@ -253,7 +259,7 @@ def check_shared(out_dir: Path, rank: Rank) -> None:
     if blind:
         r, host, folder = blind[0]
         raise PipelineError(
-            f"train.checkpoint_format: sharded needs a folder every rank shares, and rank {r} (on {host}) does not see "
-            f"{folder} as rank 0 writes it (node-local disks?): put the project on a filesystem the nodes share, "
-            "or set train.checkpoint_format: whole")
+            f"{needed_by} needs a folder every rank shares, and rank {r} (on {host}) does not see {folder} as "
+            "rank 0 writes it (node-local disks?): put the project on a filesystem the nodes share, or set "
+            "train.checkpoint_format: whole")
 

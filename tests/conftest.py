@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests import zygote
+
 ROOT = Path(__file__).resolve().parents[1]
 MNIST_DIR = ROOT.parent / "shared" / "data" / "mnist"
 VENV_BIN = Path(sys.executable).parent
@@ -207,7 +209,17 @@ def subprocess_env(**extra: str) -> dict[str, str]:
 
 
 def run(cmd: list[str], cwd: Path, check: bool = True, **env: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=subprocess_env(**env), capture_output=True, text=True)
+    """`cmd` as subprocess.run runs it, its output captured; a `mnist-pipeline` command as a fork of
+    this worker's pre-imported starter where it can be one (tests/zygote.py), else afresh."""
+    full_env = subprocess_env(**env)
+    starter, how = None, "afresh"
+    if cmd[0] == "mnist-pipeline" and shutil.which(cmd[0], path=full_env["PATH"]) == str(VENV_BIN / cmd[0]):
+        starter, how = zygote.starter_for(str(VENV_BIN / "python"), full_env)
+    if starter is not None:
+        proc = starter.run(str(VENV_BIN / cmd[0]), cmd[1:], cwd, full_env)
+    else:
+        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True)
+    zygote.log(cmd, how)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

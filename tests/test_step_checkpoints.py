@@ -121,8 +121,8 @@ def test_a_mid_epoch_checkpoint_resumes_only_at_its_world_size(tmp_path):
     # Parts of the weights written by 3 ranks are read back by 3, even at an epoch's end.
     parts = {"epoch": 1, shards.TAG_KEY: shards.tag(1, 0), shards.RANKS_KEY: 3}
     assert other_world(parts, 3, tmp_path / CHECKPOINT_FILE) is None
-    assert re.search(r"checkpoint.pt: its weights and optimizer state are in parts written by 3 ranks \(train."
-                     r"checkpoint_format: sharded\), and this training would have 2: set train.nproc \(and "
+    assert re.search(r"checkpoint.pt: its weights and optimizer state are in parts written by 3 ranks \(a sharded "
+                     r"checkpoint\), and this training would have 2: set train.nproc \(and "
                      r"train.nodes\) back to make 3", other_world(parts, 2, tmp_path / CHECKPOINT_FILE))
 
 
@@ -164,7 +164,7 @@ def test_a_sharded_checkpoint_reads_back_what_was_written_and_keeps_only_the_one
     model, optimizer, _ = build(cfg, 10, torch.device("cpu"))
     model(torch.rand(4, 1, 28, 28)).sum().backward()
     optimizer.step()
-    shards.check_shared(tmp_path, Rank())  # one rank: nothing to check
+    shards.check_shared(tmp_path, Rank(), "train.checkpoint_format: sharded")  # one rank: nothing to check
     for name in ("old", shards.tag(1, 6)):
         shards.save(tmp_path, name, model, optimizer, rank=Rank())
     shards.prune(tmp_path, shards.tag(1, 6))
