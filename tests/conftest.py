@@ -161,7 +161,7 @@ def cpu_seconds() -> float:
     import resource
 
     usages = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    return sum(usage.ru_utime + usage.ru_stime for usage in usages)
+    return sum(usage.ru_utime + usage.ru_stime for usage in usages) + zygote.CPU_USED[0]  # commands run as forks
 
 
 @pytest.fixture(scope="session")
@@ -214,7 +214,7 @@ def run(cmd: list[str], cwd: Path, check: bool = True, **env: str) -> subprocess
     full_env = subprocess_env(**env)
     starter, how = None, "afresh"
     if cmd[0] == "mnist-pipeline" and shutil.which(cmd[0], path=full_env["PATH"]) == str(VENV_BIN / cmd[0]):
-        starter, how = zygote.starter_for(str(VENV_BIN / "python"), full_env)
+        starter, how = zygote.starter_for(str(VENV_BIN / "python"), full_env, cwd)
     if starter is not None:
         proc = starter.run(str(VENV_BIN / cmd[0]), cmd[1:], cwd, full_env)
     else:

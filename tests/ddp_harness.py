@@ -4,6 +4,9 @@ its first epoch, to resume from its checkpoint."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -14,6 +17,7 @@ import torch.multiprocessing as mp
 from pipeline.config import TrainConfig, WorkloadConfig
 from pipeline.loop import DeviceSplit, Training, train
 from pipeline.parallel import Rank
+from tests import zygote
 from tests.conftest import free_port
 
 
@@ -33,7 +37,9 @@ def train_config(batch_size: int, epochs: int = 1) -> TrainConfig:
 CLASSIC = WorkloadConfig(init_args={"model": "classic", "label_smoothing": 0.1})
 
 
-def _rank_main(r: int, world: int, port: int, body: Callable, args: tuple) -> None:
+def _rank_main(r: int, world: int, port: int, body: Callable, args: tuple, env: dict[str, str]) -> None:
+    os.environ.clear()  # the test's environment now, not the fork server's when it started
+    os.environ.update(env)
     torch.set_num_threads(1)  # the ranks share the machine's cores, as limit_cpu_threads makes them
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=world)
     try:
@@ -43,9 +49,30 @@ def _rank_main(r: int, world: int, port: int, body: Callable, args: tuple) -> No
 
 
 def run_ranks(world: int, body: Callable, *args) -> None:
-    """`body(rank, world, *args)` in `world` spawned processes joined in one gloo group; `body`
+    """`body(rank, world, *args)` in `world` processes of their own joined in one gloo group; `body`
     must be a module-level function, and writes what it returns to a file."""
-    mp.start_processes(_rank_main, args=(world, free_port(), body, args), nprocs=world, start_method="spawn")
+    mp.start_processes(_rank_main, args=(world, free_port(), body, args, dict(os.environ)), nprocs=world,
+                       start_method=start_method())
+
+
+# The ranks are forks of one server per test worker that imported torch and the pipeline once
+# (multiprocessing's fork server, as the pipeline starts its own DDP workers), not fresh
+# interpreters that each import them (#52: most of a rank's CPU on the tests' small data). Each
+# takes the test's environment as it starts; where the test has changed what those imports read
+# of it since the server started (tests/zygote.py: imports_see), they are spawned afresh.
+PRELOAD = ["torch", "torch._dynamo", "torch.distributed.checkpoint", "tests.ddp_harness"]
+_SERVER_SAW: frozenset | None = None
+
+
+def start_method() -> str:
+    global _SERVER_SAW
+    if os.environ.get(zygote.ZYGOTE_ENV) == "0" or sys.platform != "linux":
+        return "spawn"
+    seen = zygote.imports_see(dict(os.environ))
+    if _SERVER_SAW is None:  # the server starts at the first start_processes, with this environment
+        multiprocessing.set_forkserver_preload(PRELOAD)
+        _SERVER_SAW = seen
+    return "forkserver" if seen == _SERVER_SAW else "spawn"
 
 
 def rank_dir(out: Path, r: int) -> Path:

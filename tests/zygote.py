@@ -1,33 +1,37 @@
 """A pre-imported starter for the tests' `mnist-pipeline` commands (#52).
 
 The suite is CPU-bound, and most of its CPU went to fresh processes' imports: a `mnist-pipeline`
-command a test runs imports torch (and torch._dynamo, at its first optimizer step) before its
-first line of work, 2 to 3.5 CPU s on a fast day, more than most commands then do. Here one
+command a test runs imports torch, torch._dynamo (at its first optimizer step) and MLflow before
+its first line of work, 4 to 5 CPU s on a fast day, more than most commands then do. Here one
 process per test worker imports those libraries once, and each command is a fork of it that
-becomes the process a fresh `mnist-pipeline` would have been: its arguments, working directory,
-environment, umask, standard streams, process group and sys.path; then it runs the console script
-itself, so the project's own code (pipeline/, stages/, the copy's where the command runs in a
-copy) is imported afresh in the fork, from where a fresh process would import it, and each run
-records the files it ran. The command ends as the console script ends it (pipeline/runtime/
-warm_exit.py), its exit status comes back as subprocess.run's would.
+becomes the process `subprocess.run(cmd, capture_output=True, text=True)` would have started: its
+arguments, working directory, environment, umask, signals ignored and blocked, standard streams
+(pipes), open files, process group, sys.path as Python builds it, freshly seeded generators, and
+what the imports wrote to stderr. Then it runs the console script itself, so the project's own
+code (pipeline/, stages/: the copy's where the command runs in a copy) is imported afresh in the
+fork, from where a fresh process would import it, and each run records the files it ran. The
+command ends as the console script ends it (pipeline/runtime/warm_exit.py), and its exit status
+comes back as subprocess.run's would.
 
-What a fork cannot be, it is not asked to be: only the venv's own `mnist-pipeline`, with an
-environment that differs from the starter's only in variables nothing it imported reads at import
-(LATE_READ: the pipeline's, MLflow's (which it never imports), DVC's, git's, S3's, PYTHONPATH). A
-command with anything else changed (a compiler, a CUDA stand-in, TMPDIR, HOME, a launcher's RANK)
-runs in a fresh process, as does every command when MNP_TEST_ZYGOTE=0, and every one a test
-starts itself with Popen (signals, timing, the README in a fresh shell). The product's own forks
-of a pre-imported process (the warm server under DVC, the DDP fork server) are tested as such
-in tests/test_warm.py and tests/test_forkserver.py; tests/test_zygote.py checks that a fork here
-sees what a fresh process sees.
+What a fork cannot be, it is not asked to be. Only the venv's own `mnist-pipeline` runs as one,
+with an environment that differs from its starter's only in variables nothing the starter
+imported reads on import (`late_read`: the pipeline's, DVC's, git's, S3's, MLflow's but the three
+it reads on import, PYTHONPATH where it shadows nothing imported). Anything else (a compiler, a
+CUDA stand-in, TMPDIR, HOME, a launcher's RANK) runs in a fresh process, as does a warm server's
+client (its server outlives it by who its parent is), every command under MNP_TEST_ZYGOTE=0, and
+every one a test starts itself with Popen (signals, timing, the README in a fresh shell, `dvc
+repro`'s stages). What a fork shares with its starter regardless: the string-hash seed, and the
+order of the exit handlers MLflow registers on import (before the command's own, as in the warm
+server's forks). tests/test_zygote.py checks a fork against a fresh process of the same script.
 
-Each fork's parent is a runner, forked per command, which waits for it and reports; a runner
-whose client (the test) went away kills the command's process group. The starter ends when its
-test worker does (its stdin closes).
+Each command's parent is a runner, forked per command, which leads the command's process group,
+waits for it and reports its end and CPU time; a runner whose client (the test) went away kills
+the group. The starter ends when its test worker does (its stdin closes).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import locale
@@ -49,17 +53,21 @@ PRELOAD = ("torch", "torch._dynamo", "torch.distributed.elastic.multiprocessing"
            "mlflow", "mlflow.store.tracking.sqlalchemy_store")
 MLFLOW_SETTINGS = Path(__file__).resolve().parents[1] / "pipeline" / "tracking" / "__init__.py"
 # Variables read only once a command's own code runs, never by what PRELOAD imports: a command's may
-# differ from the starter's in these and it still runs as a fork. MLflow reads a few on import.
+# differ from the starter's in these and it still runs as a fork. MLflow reads a few on import, and
+# whether it runs under pytest (PYTEST_CURRENT_TEST).
 LATE_READ_PREFIXES = ("MNIST_", "MNP_", "MLFLOW_", "DVC_", "AWS_", "GIT_", "PYTEST_")
 LATE_READ = {"PYTHONPATH", "PWD", "OLDPWD"}
 READ_ON_IMPORT = {"MLFLOW_LOGGING_LEVEL", "MLFLOW_CONFIGURE_LOGGING", "MLFLOW_DISABLE_TELEMETRY"}
-POLL_S = 0.05
+UNDER_PYTEST = "PYTEST_CURRENT_TEST"
+POLL_S = 0.05  # how often the test's side looks for a starting starter
+CPU_USED = [0.0]  # CPU seconds of the commands that ran as forks, and of the processes they waited for
 
 
 def late_read(name: str) -> bool:
     return name not in READ_ON_IMPORT and (name in LATE_READ or name.startswith(LATE_READ_PREFIXES))
 
 
+@functools.cache
 def mlflow_defaults() -> dict[str, str]:
     """The variables pipeline/tracking/__init__.py sets where unset (`os.environ.setdefault`)."""
     import ast
@@ -72,11 +80,12 @@ def mlflow_defaults() -> dict[str, str]:
 
 def imports_see(env: dict[str, str]) -> frozenset:
     """What the preloaded imports read of a command's environment: every variable but the late-read
-    ones, and those MLflow reads on import as pipeline.tracking leaves them. Two environments
-    alike in this are one to a starter."""
+    ones, those MLflow reads on import as pipeline.tracking leaves them, and whether pytest runs.
+    Two environments alike in this are one to a starter."""
     defaults = mlflow_defaults()
     seen = {name: value for name, value in env.items() if not late_read(name) and name not in READ_ON_IMPORT}
     seen.update({name: env.get(name, defaults.get(name)) for name in READ_ON_IMPORT})
+    seen[UNDER_PYTEST] = str(UNDER_PYTEST in env)
     return frozenset(seen.items())
 
 
@@ -88,7 +97,7 @@ class Starter:
 
     def __init__(self, python: str, env: dict[str, str]) -> None:
         self.key = imports_see(env)
-        self.env = {name: value for name, value in env.items() if not late_read(name)}
+        self.env = {name: value for name, value in env.items() if not late_read(name) or name == UNDER_PYTEST}
         self.folder = tempfile.mkdtemp(prefix="mnp-zygote-")
         self.address = os.path.join(self.folder, "socket")
         self.process = subprocess.Popen(
@@ -96,14 +105,25 @@ class Starter:
                            "from tests.zygote import serve; serve(sys.argv[1])", self.address],
             stdin=subprocess.PIPE, env=self.env, cwd="/", start_new_session=True)
         deadline = time.monotonic() + 120
-        while not os.path.exists(self.address + ".ready"):
+        ready = Path(self.address + ".ready")
+        while not ready.is_file():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.close()
                 raise OSError("the tests' starter did not start")
             time.sleep(POLL_S)
+        self.modules = set(json.loads(ready.read_text()))  # the top-level names it imported
 
-    def serves(self, env: dict[str, str]) -> bool:
-        return self.process.poll() is None and imports_see(env) == self.key
+    def serves(self, env: dict[str, str], cwd: Path) -> bool:
+        if self.process.poll() is not None or imports_see(env) != self.key or not Path(cwd).is_dir():
+            return False  # a missing folder: subprocess.run's own error
+        if env.get("MNIST_PIPELINE_WARM", "") not in ("", "0") or "DVC_STAGE" in env:
+            return False  # a warm server's client: its server's life follows its parent's
+        # PYTHONPATH: an entry that holds a module the starter imported (or one Python imports at
+        # start) would have been imported from there.
+        for entry in env.get("PYTHONPATH", "").split(os.pathsep):
+            if importable(Path(cwd, entry or ".")) & (self.modules | {"sitecustomize", "usercustomize"}):
+                return False
+        return True
 
     def run(self, script: str, args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
         """`script args` as a fork, as subprocess.run(capture_output=True, text=True) runs it: its
@@ -112,39 +132,48 @@ class Starter:
         err_r, err_w = os.pipe()
         try:
             conn = self.start([script, *args], cwd, env, out_w, err_w)
+        except BaseException:
+            os.close(out_r)
+            os.close(err_r)
+            raise
         finally:
             os.close(out_w)
             os.close(err_w)
         said: dict[object, bytearray] = {out_r: bytearray(), err_r: bytearray(), conn: bytearray()}
-        with conn, selectors.DefaultSelector() as selector:
-            for source in said:
-                selector.register(source, selectors.EVENT_READ)
-            while selector.get_map():
-                for key, _ in selector.select():
-                    source = key.fileobj
-                    chunk = source.recv(4096) if source is conn else os.read(source, 65536)
-                    said[source] += chunk
-                    if not chunk:
-                        selector.unregister(source)
-                        if source is not conn:
-                            os.close(source)
+        try:
+            with selectors.DefaultSelector() as selector:
+                for source in said:
+                    selector.register(source, selectors.EVENT_READ)
+                while selector.get_map():
+                    for key, _ in selector.select():
+                        source = key.fileobj
+                        chunk = source.recv(4096) if source is conn else os.read(source, 65536)
+                        said[source] += chunk
+                        if not chunk:
+                            selector.unregister(source)
+        finally:  # closing the socket first kills the command, if it still runs (a test's timeout)
+            conn.close()
+            os.close(out_r)
+            os.close(err_r)
         if not said[conn].endswith(b"\n"):
             raise OSError("the tests' starter went away during a command")
-        code = json.loads(bytes(said[conn]))["exit"]
-        return subprocess.CompletedProcess([Path(script).name, *args], code, text_of(said[out_r]),
+        reply = json.loads(bytes(said[conn]))
+        CPU_USED[0] += reply["cpu"]
+        return subprocess.CompletedProcess([Path(script).name, *args], reply["exit"], text_of(said[out_r]),
                                            text_of(said[err_r]))
 
     def start(self, argv: list[str], cwd: Path, env: dict[str, str], out: int, err: int) -> socket.socket:
         """The command started, writing to the file descriptors `out` and `err`; its end is said on
         the socket returned, and closing it first kills the command."""
+        ignored = [int(sig) for sig in signal.valid_signals() if sig not in (signal.SIGKILL, signal.SIGSTOP)
+                   and signal.getsignal(sig) == signal.SIG_IGN]
+        request = {"argv": argv, "cwd": os.path.abspath(cwd), "env": env, "umask": umask(), "ignored": ignored,
+                   "blocked": [int(sig) for sig in signal.pthread_sigmask(signal.SIG_BLOCK, [])]}
         conn = socket.socket(socket.AF_UNIX)
         try:
             conn.connect(self.address)
-            umask = os.umask(0)
-            os.umask(umask)
-            request = json.dumps({"argv": argv, "cwd": str(cwd), "env": env, "umask": umask}).encode()
-            socket.send_fds(conn, [request + b"\n"], [0, out, err])
-        except OSError:
+            socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, out, err])
+        except BaseException:
             conn.close()
             raise
         return conn
@@ -156,7 +185,28 @@ class Starter:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+                self.process.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def importable(folder: Path) -> set[str]:
+    """The top-level modules a folder on sys.path offers: its modules and its regular packages (a
+    folder without __init__.py is a namespace portion, which any module or package found after it wins over)."""
+    import importlib.machinery
+
+    if not folder.is_dir():
+        return set()
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    return {path.name.partition(".")[0] for path in folder.iterdir()
+            if (path.is_file() and path.name.endswith(suffixes)) or (path / "__init__.py").is_file()}
+
+
+def umask() -> int:
+    """This process's umask, read without setting it (which another thread would see)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("Umask:"):
+            return int(line.split()[1], 8)
+    raise OSError("no Umask in /proc/self/status")
 
 
 def text_of(data: bytes) -> str:
@@ -168,20 +218,29 @@ def text_of(data: bytes) -> str:
 
 
 def serve(address: str) -> None:
+    """Imports PRELOAD, then forks a runner for each command, until the test worker is gone."""
     import runpy
 
-    runpy.run_path(str(MLFLOW_SETTINGS))  # MLflow's settings, as a command's first import of pipeline.tracking makes them
-    for module in PRELOAD:
-        __import__(module)
+    with tempfile.TemporaryFile() as said, redirected(2, said.fileno()):  # what a fresh command's imports say
+        runpy.run_path(str(MLFLOW_SETTINGS))  # MLflow's settings, as a command's first import of pipeline.tracking
+        for module in PRELOAD:
+            __import__(module)
+        sys.stderr.flush()
+        said.seek(0)
+        imports_said = said.read()
     import threading
 
-    if threading.active_count() != 1:  # a thread would not be in the forks: unfit to fork
-        raise SystemExit(f"tests' starter: importing {PRELOAD} started a thread")
+    import torch
+
+    if threading.active_count() != 1 or torch.cuda.is_initialized():  # the forks would lack the thread, share CUDA
+        raise SystemExit(f"tests' starter: importing {PRELOAD} started a thread or CUDA")
     base_path = sys.path[2:]  # without '' (python -c) and this project's folder
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
     listener.listen(16)
-    Path(address + ".ready").touch()
+    ready = Path(address + ".ready")
+    Path(address + ".part").write_text(json.dumps(sorted({name.partition(".")[0] for name in sys.modules})))
+    Path(address + ".part").rename(ready)  # whole when the test's side reads it
     with selectors.DefaultSelector() as selector:
         selector.register(listener, selectors.EVENT_READ)
         selector.register(sys.stdin, selectors.EVENT_READ)
@@ -189,13 +248,31 @@ def serve(address: str) -> None:
             for key, _ in selector.select(1.0):
                 if key.fileobj is listener:
                     conn, _ = listener.accept()
+                    sys.stdout.flush()
+                    sys.stderr.flush()
                     if os.fork() == 0:
                         listener.close()
-                        runner(conn, base_path)  # never returns
+                        runner(conn, base_path, imports_said)  # never returns
                     conn.close()
-                elif not sys.stdin.buffer.read1(1):  # the test worker is gone
-                    return
+                elif not sys.stdin.buffer.read1(1):  # the test worker is gone: end without torch's teardown
+                    listener.close()
+                    os._exit(0)
             reap()
+
+
+class redirected:
+    """Writes to file descriptor `fd` go to `target` meanwhile."""
+
+    def __init__(self, fd: int, target: int) -> None:
+        self.fd, self.target = fd, target
+
+    def __enter__(self) -> None:
+        self.saved = os.dup(self.fd)
+        os.dup2(self.target, self.fd)
+
+    def __exit__(self, *_) -> None:
+        os.dup2(self.saved, self.fd)
+        os.close(self.saved)
 
 
 def reap() -> None:
@@ -208,62 +285,68 @@ def reap() -> None:
             return
 
 
-def runner(conn: socket.socket, base_path: list[str]) -> None:
-    """A command's parent: forks it, waits for it, says how it ended; kills its group if the test
-    goes away first."""
+def runner(conn: socket.socket, base_path: list[str], imports_said: bytes) -> None:
+    """A command's parent, leading its process group: forks it, waits for it, says how it ended and
+    its CPU time; kills the group (itself too) if the test goes away first."""
     code = 1
     try:
+        os.setpgid(0, 0)
         message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-        while not message.endswith(b"\n"):
-            message += conn.recv(1 << 20)
+        while message and not message.endswith(b"\n"):
+            more = conn.recv(1 << 20)
+            if not more:  # the test went away before it had said what to run
+                break
+            message += more
+        if not message.endswith(b"\n"):
+            return
         request = json.loads(message)
         pid = os.fork()
         if pid == 0:
             conn.close()
-            become(request, fds, base_path)  # never returns
+            become(request, fds, base_path, imports_said)  # never returns
         for fd in fds:
             os.close(fd)
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-                code = 0
-                break
-            if _hung_up(conn):
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                os.waitpid(pid, 0)
-                break
+        with selectors.DefaultSelector() as selector:
+            ended = os.pidfd_open(pid)
+            selector.register(ended, selectors.EVENT_READ)
+            selector.register(conn, selectors.EVENT_READ)  # the client only reads: anything readable is its end
+            if any(key.fileobj is conn for key, _ in selector.select()):
+                os.killpg(0, signal.SIGKILL)
+            _, status, usage = os.wait4(pid, 0)
+        reply = {"exit": os.waitstatus_to_exitcode(status), "cpu": usage.ru_utime + usage.ru_stime}
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+        code = 0
     finally:
         os._exit(code)
 
 
-def _hung_up(conn: socket.socket) -> bool:
-    with selectors.DefaultSelector() as selector:
-        selector.register(conn, selectors.EVENT_READ)
-        return bool(selector.select(POLL_S))  # the client only reads: anything readable is its end
-
-
-def become(request: dict, fds: list[int], base_path: list[str]) -> None:
+def become(request: dict, fds: list[int], base_path: list[str], imports_said: bytes) -> None:
     """In the fork: the process `argv` would have started as, then the console script itself."""
     try:
-        os.setpgid(0, 0)  # a group of its own, which its runner kills if the test goes away
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
-        for fd in fds:
-            if fd > 2:
-                os.close(fd)
-        os.chdir(request["cwd"])
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # subprocess's close_fds: the starter's sockets too
+        # Signals as a fresh Python starts with the test's: what it ignores stays ignored (SIGPIPE
+        # and SIGXFSZ always are), SIGINT raises KeyboardInterrupt, its blocked ones stay blocked.
+        for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGCHLD, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in request["ignored"]:
+            signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, request["blocked"])
+        sys.stdout.reconfigure(line_buffering=os.isatty(1))  # as Python sets it up for what fd 1 is
+        os.write(2, imports_said)
+        cwd = request["cwd"]
+        os.chdir(cwd)
         os.umask(request["umask"])
         os.environ.clear()
         os.environ.update(request["env"])
         script = request["argv"][0]
-        # As Python builds it for a script: the script's folder, PYTHONPATH, then the rest.
-        extra = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-        sys.path[:] = [os.path.dirname(script), *extra, *base_path]
+        sys.path[:] = script_path(script, os.environ.get("PYTHONPATH", ""), cwd, base_path)
         sys.argv = list(request["argv"])
+        # What the imports took from the starter's folder (/), a fresh process takes from its own.
+        sys.modules["multiprocessing.process"].ORIGINAL_DIR = cwd
+        sys.modules["torch._dynamo.config"].debug_dir_root = os.path.join(cwd, "torch_compile_debug")
         # The generators a fresh process seeds from the OS: numpy's global one and Python's.
         sys.modules["numpy"].random.seed()
         if "random" in sys.modules:
@@ -297,6 +380,18 @@ def become(request: dict, fds: list[int], base_path: list[str]) -> None:
     os._exit(code & 0xFF)
 
 
+def script_path(script: str, pythonpath: str, cwd: str, base_path: list[str]) -> list[str]:
+    """sys.path as Python builds it for `script`: the script's real folder, then PYTHONPATH's
+    entries made absolute (an empty one: the working directory), then the rest, each once."""
+    rest: list[str] = []
+    for entry in [os.path.join(cwd, entry) if entry else cwd for entry in pythonpath.split(os.pathsep)] \
+            if pythonpath else []:
+        entry = os.path.normpath(entry)
+        if entry not in rest:
+            rest.append(entry)
+    return [os.path.dirname(os.path.realpath(script)), *rest, *(path for path in base_path if path not in rest)]
+
+
 def name(short: str) -> None:
     """The short name a fresh process of the script has (`ps -o comm`, process accounting)."""
     try:
@@ -318,24 +413,29 @@ def log(cmd: list[str], how: str) -> None:
 MAX_STARTERS = 3
 _STARTERS: dict[frozenset, Starter] = {}  # by what their imports saw of the environment, oldest first
 _SEEN: dict[frozenset, int] = {}
+_FAILED: set[frozenset] = set()  # environments a starter could not start under: afresh, not retried
 
 
-def starter_for(python: str, env: dict[str, str]) -> tuple[Starter | None, str]:
+def starter_for(python: str, env: dict[str, str], cwd: Path) -> tuple[Starter | None, str]:
     """A starter whose imports saw what a fresh process of a command with `env` would, and a word on
     how the command runs. The worker's first is started at its first command; one for another
     environment (a test's own CXX, a variable torch set in this process) at the second command
     with it, so a test's one-off setting costs no start; at most MAX_STARTERS run."""
     if os.environ.get(ZYGOTE_ENV) == "0" or sys.platform != "linux":
-        return None, "afresh: MNP_TEST_ZYGOTE=0"
+        return None, f"afresh: {ZYGOTE_ENV}=0"
     key = imports_see(env)
-    if key in _STARTERS and _STARTERS[key].process.poll() is None:
-        return _STARTERS[key], "fork"
+    if key in _FAILED:
+        return None, "afresh: no starter starts with its environment"
+    found = _STARTERS.get(key)
+    if found is not None and found.process.poll() is None:
+        return (found, "fork") if found.serves(env, cwd) else (None, "afresh: a warm client, or PYTHONPATH")
     _SEEN[key] = _SEEN.get(key, 0) + 1
     if _SEEN[key] < 2 and _SEEN.keys() != {key}:
         return None, "afresh: the first command with its environment"
     try:
         started = Starter(python, env)
     except OSError as exc:
+        _FAILED.add(key)
         return None, f"afresh: {exc}"
     old = _STARTERS.pop(key, None)
     if old is not None:
@@ -343,7 +443,7 @@ def starter_for(python: str, env: dict[str, str]) -> tuple[Starter | None, str]:
     _STARTERS[key] = started
     while len(_STARTERS) > MAX_STARTERS:
         _STARTERS.pop(next(iter(_STARTERS))).close()
-    return started, "fork"
+    return (started, "fork") if started.serves(env, cwd) else (None, "afresh: a warm client, or PYTHONPATH")
 
 
 def forget(env: dict[str, str]) -> None:
